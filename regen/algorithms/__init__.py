@@ -1,0 +1,19 @@
+"""Pure tensor math: advantage estimators, KL estimators, policy losses, loss aggregation.
+
+Nothing here imports anything but torch, so every function can be checked against numbers
+derived by hand from its paper. Registries map config names to functions.
+"""
+
+from regen.algorithms.advantages import ADVANTAGES, grpo_advantages
+from regen.algorithms.kl import kl_penalty
+from regen.algorithms.losses import POLICY_LOSSES, aggregate, grpo_loss, ppo_clip_loss
+
+__all__ = [
+    "ADVANTAGES",
+    "POLICY_LOSSES",
+    "aggregate",
+    "grpo_advantages",
+    "grpo_loss",
+    "kl_penalty",
+    "ppo_clip_loss",
+]

@@ -1,0 +1,115 @@
+"""Policy losses over (B, T) log-probs. T is tokens for an LM, denoising steps for a flow SDE."""
+
+from __future__ import annotations
+
+import torch
+
+from regen.algorithms.kl import kl_penalty
+
+LOG_RATIO_CLAMP = 20.0  # exp(±20) is finite in fp32; a larger log-ratio means a broken batch anyway
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def aggregate(x: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", norm: float | None = None) -> torch.Tensor:
+    """Reduce per-token values x (B, T) over valid positions `mask` (B, T) to a scalar.
+
+    token-mean               sum over all valid tokens / their count in the batch (DAPO)
+    seq-mean-token-mean      mean over each sequence's tokens, then over sequences (GRPO paper)
+    seq-mean-token-sum       sum over each sequence's tokens, mean over sequences
+    seq-mean-token-sum-norm  sum over each sequence's tokens / `norm` (e.g. max length),
+                             mean over sequences (Dr.GRPO, Liu 2025)
+    Sequences without any valid token are left out of sequence means.
+    """
+    mask = mask.to(x.dtype)
+    if mode == "token-mean":
+        return masked_mean(x, mask)
+    per_seq_sum = (x * mask).sum(-1)
+    lengths = mask.sum(-1)
+    has = lengths > 0
+    if mode == "seq-mean-token-mean":
+        per_seq = per_seq_sum / lengths.clamp(min=1)
+    elif mode == "seq-mean-token-sum":
+        per_seq = per_seq_sum
+    elif mode == "seq-mean-token-sum-norm":
+        if not norm:
+            raise ValueError("seq-mean-token-sum-norm needs a positive `norm` (e.g. the max response length)")
+        per_seq = per_seq_sum / norm
+    else:
+        raise ValueError(f"unknown loss aggregation '{mode}'")
+    return (per_seq * has).sum() / has.sum().clamp(min=1)
+
+
+def ppo_clip_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    agg: str = "token-mean",
+    norm: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate (Schulman et al. 2017, eq. 7) with asymmetric clip (DAPO, Yu 2025):
+
+        rho = exp(logp - old_logp)       (log-ratio clamped to ±20 before exp)
+        L_t = max(-A * rho, -A * clip(rho, 1 - clip_low, 1 + clip_high))
+
+    logp, old_logp, mask: (B, T); adv: (B,) broadcast over T, or (B, T).
+    Returns (aggregated loss, metrics): clip_frac is the fraction of valid tokens where the
+    clipped term is the active one; approx_kl is mean k3(old || new) over valid tokens.
+    """
+    if adv.dim() == 1:
+        adv = adv.unsqueeze(-1).expand_as(logp)
+    log_ratio = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    per_token = torch.maximum(unclipped, clipped)
+    loss = aggregate(per_token, mask, agg, norm)
+    with torch.no_grad():
+        m = mask.to(logp.dtype)
+        metrics = {
+            "pg_loss": loss.detach(),
+            "clip_frac": masked_mean((clipped > unclipped).to(logp.dtype), m),
+            "ratio_mean": masked_mean(ratio, m),
+            "approx_kl": masked_mean(torch.exp(-log_ratio) - 1.0 + log_ratio, m),
+        }
+    return loss, metrics
+
+
+def grpo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    ref_logp: torch.Tensor | None = None,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    agg: str = "token-mean",
+    norm: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GRPO objective (Shao et al. 2024, eq. 3), as a loss to minimise:
+
+        L = agg( max(-A*rho, -A*clip(rho, 1-eps_low, 1+eps_high)) ) + beta * agg( KL_t )
+
+    with KL_t one of Schulman's estimators of KL(pi || pi_ref) (k3 in the paper) and the
+    same aggregation for both terms. ref_logp is required when kl_coef > 0.
+    """
+    loss, metrics = ppo_clip_loss(logp, old_logp, adv, mask, clip_low, clip_high, agg, norm)
+    if ref_logp is not None:
+        kl = aggregate(kl_penalty(logp, ref_logp, kl_estimator), mask, agg, norm)
+        metrics["kl"] = kl.detach()
+        if kl_coef > 0:
+            loss = loss + kl_coef * kl
+    elif kl_coef > 0:
+        raise ValueError("grpo_loss: kl_coef > 0 needs ref_logp")
+    metrics["loss"] = loss.detach()
+    return loss, metrics
+
+
+POLICY_LOSSES = {"grpo": grpo_loss}

@@ -1,0 +1,250 @@
+"""`regen` command line: train | sft | eval | export | rewards.
+
+User errors (bad config, data, paths, checkpoints) print one line `error: ...` and exit 2;
+anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+from regen import __version__
+from regen.errors import UserError
+
+CONFIG_HELP = """\
+Settings come from CONFIG.yaml (optional: built-in defaults otherwise) and then from
+KEY=VALUE overrides in dotted form, values parsed as YAML, e.g.
+    rollout.temperature=0.8  train.steps=300  reward.0.weight=2  optim.betas=[0.9,0.95]
+Unknown keys, wrong types and impossible combinations are errors naming the field.
+--help-config lists every key with its default and meaning."""
+
+
+def _config_verb(sub, name: str, help_: str, description: str):
+    p = sub.add_parser(
+        name, help=help_, description=description + "\n\n" + CONFIG_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("config", nargs="?", metavar="CONFIG.yaml", help="YAML config file (see examples/).")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="Dotted overrides applied after the file.")
+    p.add_argument("--resume", action="store_true", help="Continue the run in run.dir from its latest valid checkpoint.")
+    p.add_argument("--help-config", action="store_true", help="List every config key with default and description, then exit.")
+    p.add_argument("--print-config", action="store_true", help="Print the resolved config as YAML, then exit.")
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="regen",
+        description="Reinforcement-learning post-training for generative models.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Run `regen VERB --help` for the options of each verb.",
+    )
+    parser.add_argument("--version", action="version", version=f"regen {__version__}")
+    sub = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
+
+    _config_verb(
+        sub, "train", "Online RL (GRPO) of a causal language model.",
+        "Sample a group of completions per prompt, score them with the configured rewards, compute\n"
+        "group-relative advantages and update the policy with the clipped GRPO loss. Writes\n"
+        "config.yaml, metrics.jsonl, TensorBoard events, checkpoints/ and export/ into run.dir.",
+    )
+    _config_verb(
+        sub, "sft", "Supervised fine-tuning on prompt/completion demonstrations.",
+        "Cross-entropy on completions (prompt tokens are not trained). With model.init set, starts\n"
+        "from a fresh built-in model; the result in RUN_DIR/export is a base for `regen train`.",
+    )
+
+    ev = sub.add_parser(
+        "eval", help="Sample and score a model on held-out prompts.",
+        description="Sample completions for held-out prompts and report accuracy (exact match against\n"
+        "each row's 'answer') and the mean reward. Prints one JSON object.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ev.add_argument("--model", required=True, help="Model folder (an export/ or a checkpoint's model/), or hub id.")
+    ev.add_argument("--data", default="builtin:arithmetic:test", help="Prompts: JSONL file or builtin:arithmetic:test (default).")
+    ev.add_argument("--num-prompts", type=int, default=500, help="Evaluate the first N prompts (default 500).")
+    ev.add_argument("--samples-per-prompt", type=int, default=4, help="Completions per prompt (default 4).")
+    ev.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature (default 1.0).")
+    ev.add_argument("--top-p", type=float, default=1.0, help="Nucleus threshold (default 1.0 = off).")
+    ev.add_argument("--max-new-tokens", type=int, default=8, help="Completion length cap (default 8).")
+    ev.add_argument("--greedy", action="store_true", help="Decode greedily (one completion per prompt).")
+    ev.add_argument("--reward", action="append", default=None, metavar="NAME",
+                    help="Also report the mean of this reward (repeatable; registered name or module:function).")
+    ev.add_argument("--seed", type=int, default=0, help="Sampling seed (default 0).")
+    ev.add_argument("--digits", type=int, default=2, help="Operand digits of the built-in arithmetic task (default 2).")
+    ev.add_argument("--test-size", type=int, default=500, help="Held-out size of the built-in task (default 500).")
+    ev.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="Device (default auto).")
+
+    ex = sub.add_parser(
+        "export", help="Write a checkpoint as a Hugging Face model folder.",
+        description="Verify a checkpoint against its manifest and copy its model as a folder that\n"
+        "AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained load.\n"
+        "SOURCE is a run directory (its newest valid checkpoint) or one checkpoint folder.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ex.add_argument("source", metavar="SOURCE", help="Run directory or checkpoints/step_NNNNNNNN folder.")
+    ex.add_argument("--out", required=True, help="Destination folder (must not exist, or be empty).")
+
+    sub.add_parser("rewards", help="List the registered reward functions.",
+                   description="List registered reward names with the first line of their documentation.")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _quiet_libraries()
+    try:
+        return VERBS[args.verb](args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # e.g. `regen train --help-config | head`
+        return 0
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _quiet_libraries() -> None:
+    """Our own progress bar is the one to watch; transformers' save/load bars only add noise."""
+    import os
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        pass
+
+
+def _load(kind, args):
+    from regen.config import describe, load_config
+
+    if args.help_config:
+        rows = describe(kind)
+        width = max(len(k) for k, _, _ in rows)
+        for key, default, desc in rows:
+            print(f"{key:<{width}}  {default}")
+            if desc:
+                print(textwrap.indent(textwrap.fill(desc, 88), " " * (width + 2)))
+        return None
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config and not Path(config).exists():
+        config, overrides = None, [config, *overrides]  # only overrides were given
+    cfg = load_config(kind, config, overrides)
+    if args.print_config:
+        import yaml
+
+        from regen.config import redact
+
+        print(yaml.safe_dump(redact(cfg.model_dump(mode="json")), sort_keys=False), end="")
+        return None
+    return cfg
+
+
+def cmd_train(args) -> int:
+    from regen.config import RLConfig
+
+    cfg = _load(RLConfig, args)
+    if cfg is None:
+        return 0
+    from regen.loop import train
+
+    summary = train(cfg, resume=args.resume)
+    _print_summary(summary)
+    return 0
+
+
+def cmd_sft(args) -> int:
+    from regen.config import SFTConfig
+
+    cfg = _load(SFTConfig, args)
+    if cfg is None:
+        return 0
+    from regen.sft import sft
+
+    _print_summary(sft(cfg, resume=args.resume))
+    return 0
+
+
+def _print_summary(summary: dict) -> None:
+    before, after = summary.get("eval_before") or {}, summary.get("eval_after") or {}
+    for key in after:
+        name = key.removeprefix("eval/")
+        if key in before:
+            print(f"held-out {name}: {before[key]:.3f} -> {after[key]:.3f} ({after[key] - before[key]:+.3f})")
+        else:
+            print(f"held-out {name}: {after[key]:.3f}")
+    print(f"model exported to {summary['export']}")
+
+
+def cmd_eval(args) -> int:
+    from regen.config import ModelConfig, TaskConfig
+    from regen.data import load_prompts
+    from regen.evaluate import evaluate
+    from regen.policies.lm import LMPolicy, load_model_and_tokenizer, resolve_device
+    from regen.rewards import CombinedReward
+
+    for flag in ("num_prompts", "samples_per_prompt", "max_new_tokens"):
+        if getattr(args, flag) < 1:
+            raise UserError(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.temperature <= 0 or not 0 < args.top_p <= 1:
+        raise UserError("--temperature must be > 0 and --top-p in (0, 1]")
+    task = TaskConfig(digits=args.digits, test_size=args.test_size)
+    items = load_prompts(args.data, task, "--data")[: args.num_prompts]
+    model, tok = load_model_and_tokenizer(ModelConfig(path=args.model), task, args.seed)
+    policy = LMPolicy(model, tok, resolve_device(args.device))
+    policy.model.eval()
+    reward = None
+    if args.reward:
+        from regen.config import RewardTerm
+
+        reward = CombinedReward.from_config([RewardTerm(name=n) for n in args.reward])
+    out = evaluate(
+        policy, items, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+        samples_per_prompt=args.samples_per_prompt, seed=args.seed, greedy=args.greedy, reward=reward,
+    )
+    print(json.dumps({"model": args.model, "prompts": len(items), **out}))
+    return 0
+
+
+def cmd_export(args) -> int:
+    import shutil
+
+    from regen.runtime import checkpoint as ckpt
+
+    src, out = Path(args.source), Path(args.out)
+    if not src.is_dir():
+        raise UserError(f"export: '{src}' is not a folder")
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"export: '{out}' exists and is not empty")
+    if (src / "manifest.json").is_file():
+        folder = src
+    else:
+        folder, warnings = ckpt.latest_valid(src)
+        for w in warnings:
+            print(f"warning: {w}", file=sys.stderr)
+        if folder is None:
+            raise UserError(f"export: no valid checkpoint in '{src}'")
+    ckpt.verify(folder)
+    shutil.copytree(folder / "model", out, dirs_exist_ok=True)
+    print(f"exported {folder} to {out}")
+    return 0
+
+
+def cmd_rewards(args) -> int:
+    from regen.rewards import REGISTRY
+
+    for name, fn in sorted(REGISTRY.items()):
+        doc = (fn.__doc__ or "").strip().splitlines()
+        print(f"{name:<14} {doc[0] if doc else ''}")
+    return 0
+
+
+VERBS = {"train": cmd_train, "sft": cmd_sft, "eval": cmd_eval, "export": cmd_export, "rewards": cmd_rewards}

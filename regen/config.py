@@ -1,0 +1,343 @@
+"""One typed config tree per verb, read from YAML with dotted command-line overrides.
+
+Every field carries a description (shown by `regen train --help-config`). Batch sizes say
+their scope: `global_*` counts samples over all processes. Derived sizes are computed once
+here (`prompts_per_step`, `minibatches_per_epoch`) and checked, so the loop never has to.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from regen.errors import ConfigError
+
+
+class Section(BaseModel):
+    # extra="forbid" turns a typo'd key into an error instead of a silently ignored setting.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# --------------------------------------------------------------------------- sections
+
+
+class RunConfig(Section):
+    dir: str = Field("runs/default", description="Run directory: config, metrics, checkpoints, exported model.")
+    seed: int = Field(0, description="Seed of every random stream (data order, sampling, init).")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="'auto' uses CUDA when available.")
+    threads: int = Field(0, ge=0, description="torch intra-op threads; 0 keeps torch's default.")
+    overwrite: bool = Field(False, description="Allow writing into a run directory that already holds metrics.")
+
+
+class ModelConfig(Section):
+    path: str | None = Field(
+        None, description="Local Hugging Face folder (or hub id, where a network exists) of a causal LM."
+    )
+    init: str | None = Field(
+        None, description="Create a fresh model from a built-in recipe instead of loading one (e.g. 'arith-char-gpt2')."
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelConfig":
+        if (self.path is None) == (self.init is None):
+            raise ValueError("set exactly one of model.path (load a model) or model.init (build a fresh one)")
+        return self
+
+
+class DataConfig(Section):
+    train: str = Field(
+        "builtin:arithmetic:train",
+        description="Training prompts: a JSONL file (one object per line with a 'prompt' field; other fields "
+        "are passed to rewards) or 'builtin:arithmetic:train'.",
+    )
+    eval: str | None = Field(
+        "builtin:arithmetic:test", description="Held-out prompts, same formats as data.train; null disables eval."
+    )
+
+
+class TaskConfig(Section):
+    """Options of the built-in synthetic arithmetic task."""
+
+    digits: int = Field(2, ge=1, le=6, description="Operands have at most this many digits.")
+    test_size: int = Field(500, ge=1, description="Prompts held out from all training (the eval split).")
+    demo_noise: float = Field(
+        0.4, ge=0.0, le=1.0, description="Fraction of SFT demonstrations whose answer is corrupted."
+    )
+
+
+class RolloutConfig(Section):
+    global_batch_size: int = Field(32, ge=1, description="Completions sampled per step, over all processes.")
+    group_size: int = Field(8, ge=1, description="Completions per prompt (the GRPO group).")
+    temperature: float = Field(1.0, gt=0.0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold; 1.0 disables it.")
+    max_new_tokens: int = Field(8, ge=1, description="Completion length cap in tokens (EOS included).")
+
+
+class AlgorithmConfig(Section):
+    name: Literal["grpo"] = Field("grpo", description="Policy-gradient algorithm.")
+    advantage: Literal["grpo"] = Field("grpo", description="Advantage estimator (group-relative).")
+    std_normalize: bool = Field(True, description="Divide group-centred rewards by the group std (GRPO).")
+    clip_low: float = Field(0.2, gt=0.0, lt=1.0, description="PPO ratio clip below: 1 - clip_low.")
+    clip_high: float = Field(0.2, gt=0.0, description="PPO ratio clip above: 1 + clip_high (0.28 = DAPO clip-higher).")
+    kl_coef: float = Field(0.0, ge=0.0, description="Weight of the KL-to-reference loss; 0 loads no reference model.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Schulman's KL estimator used in the loss.")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description="How per-token losses are reduced to one number."
+    )
+
+
+class TrainConfig(Section):
+    steps: int = Field(100, ge=1, description="RL steps (one rollout batch each).")
+    ppo_epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
+    global_minibatch_size: int = Field(32, ge=1, description="Completions per optimizer step, over all processes.")
+    grad_clip: float = Field(1.0, ge=0.0, description="Max global gradient norm; 0 disables clipping.")
+
+
+class SFTStepsConfig(Section):
+    steps: int = Field(3000, ge=1, description="Optimizer steps.")
+    global_batch_size: int = Field(64, ge=1, description="Demonstrations per optimizer step, over all processes.")
+    grad_clip: float = Field(1.0, ge=0.0, description="Max global gradient norm; 0 disables clipping.")
+
+
+class OptimConfig(Section):
+    lr: float = Field(1e-5, gt=0.0, description="Peak learning rate (AdamW).")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
+    schedule: Literal["constant", "cosine"] = Field("constant", description="Learning-rate schedule after warm-up.")
+
+
+class RewardTerm(Section):
+    name: str = Field(description="Registered reward name (see `regen rewards`) or 'package.module:function'.")
+    weight: float = Field(1.0, description="Weight of this term in the total reward.")
+    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the function.")
+
+
+class EvalConfig(Section):
+    every: int = Field(0, ge=0, description="Evaluate every N steps; 0 = only before the first and after the last.")
+    num_prompts: int = Field(256, ge=1, description="Held-out prompts per evaluation (first N of data.eval).")
+    samples_per_prompt: int = Field(1, ge=1, description="Completions sampled per held-out prompt.")
+    temperature: float | None = Field(None, gt=0.0, description="Eval temperature; null = rollout.temperature.")
+    greedy: bool = Field(False, description="Also report greedy (argmax) accuracy.")
+    batch_size: int = Field(256, ge=1, description="Prompts per generation batch during eval.")
+
+
+class CheckpointConfig(Section):
+    every: int = Field(50, ge=0, description="Checkpoint every N steps (and always at the end); 0 = only at the end.")
+    keep_last: int = Field(2, ge=1, description="Checkpoints kept; older ones are deleted after a new one is complete.")
+
+
+class LogConfig(Section):
+    tensorboard: bool = Field(True, description="Write TensorBoard event files into the run directory.")
+    progress: Literal["auto", "bar", "lines", "none"] = Field(
+        "auto", description="'auto': a live bar on a terminal, a line every log.every steps otherwise."
+    )
+    every: int = Field(10, ge=1, description="Steps between printed lines when the bar is off.")
+
+
+# --------------------------------------------------------------------------- roots
+
+
+class RLConfig(Section):
+    """`regen train`: online RL of a causal language model."""
+
+    run: RunConfig = Field(default_factory=lambda: RunConfig(dir="runs/grpo"))
+    model: ModelConfig
+    data: DataConfig = Field(default_factory=DataConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    reward: list[RewardTerm] = Field(
+        default_factory=lambda: [RewardTerm(name="exact_match")], description="Reward terms, summed with weights."
+    )
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+
+    @model_validator(mode="after")
+    def _sizes(self) -> "RLConfig":
+        r, t = self.rollout, self.train
+        if r.group_size < 2:
+            raise ValueError(f"rollout.group_size={r.group_size}: group-relative advantages need at least 2 per group")
+        if r.global_batch_size % r.group_size:
+            raise ValueError(
+                f"rollout.global_batch_size={r.global_batch_size} is not divisible by "
+                f"rollout.group_size={r.group_size}"
+            )
+        if t.global_minibatch_size > r.global_batch_size or r.global_batch_size % t.global_minibatch_size:
+            raise ValueError(
+                f"train.global_minibatch_size={t.global_minibatch_size} must divide "
+                f"rollout.global_batch_size={r.global_batch_size}"
+            )
+        if not self.reward:
+            raise ValueError("reward: at least one reward term is needed")
+        return self
+
+    @property
+    def prompts_per_step(self) -> int:
+        return self.rollout.global_batch_size // self.rollout.group_size
+
+    @property
+    def minibatches_per_epoch(self) -> int:
+        return self.rollout.global_batch_size // self.train.global_minibatch_size
+
+
+class SFTConfig(Section):
+    """`regen sft`: supervised fine-tuning on prompt/completion demonstrations."""
+
+    run: RunConfig = Field(default_factory=lambda: RunConfig(dir="runs/sft"))
+    model: ModelConfig
+    data: DataConfig = Field(default_factory=DataConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    sft: SFTStepsConfig = Field(default_factory=SFTStepsConfig)
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-3))
+    eval: EvalConfig = Field(default_factory=lambda: EvalConfig(greedy=True))
+    rollout: RolloutConfig = Field(
+        default_factory=RolloutConfig, description="Sampling settings used by held-out evaluation."
+    )
+    checkpoint: CheckpointConfig = Field(default_factory=lambda: CheckpointConfig(every=0))
+    log: LogConfig = Field(default_factory=lambda: LogConfig(every=200))
+
+
+# --------------------------------------------------------------------------- loading
+
+SECRET_WORDS = ("token", "secret", "password", "api_key", "apikey", "credential")
+
+
+def parse_overrides(items: list[str]) -> list[tuple[list[str], Any]]:
+    """`a.b.c=value` -> (['a','b','c'], value parsed as YAML, so `8` is an int and `[1,2]` a list)."""
+    parsed = []
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key or any(not p for p in key.split(".")):
+            raise ConfigError(f"override '{item}' is not of the form key.sub=value")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override '{item}': value is not valid YAML ({e.problem})") from None
+        parsed.append((key.split("."), value))
+    return parsed
+
+
+def apply_override(tree: dict, path: list[str], value: Any, where: str) -> None:
+    node: Any = tree
+    for i, part in enumerate(path[:-1]):
+        if isinstance(node, list):
+            node = node[_list_index(node, part, path[: i + 1], where)]
+            continue
+        if not isinstance(node.get(part, {}), (dict, list)):
+            raise ConfigError(f"{where}: '{'.'.join(path[: i + 1])}' is a value, not a section")
+        node = node.setdefault(part, {})
+    last = path[-1]
+    if isinstance(node, list):
+        node[_list_index(node, last, path, where)] = value
+    else:
+        node[last] = value
+
+
+def _list_index(node: list, part: str, path: list[str], where: str) -> int:
+    if not part.isdigit() or int(part) >= len(node):
+        raise ConfigError(f"{where}: '{'.'.join(path)}': index {part} out of range (list has {len(node)} items)")
+    return int(part)
+
+
+def load_config(kind: type[Section], path: str | None, overrides: list[str] = ()) -> Section:
+    """Read YAML (optional), apply `key=value` overrides, validate; raise ConfigError with field names."""
+    tree: dict = {}
+    source = "defaults"
+    if path is not None:
+        source = path
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file '{path}' not found")
+        try:
+            tree = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            at = f" line {mark.line + 1}" if mark is not None else ""
+            raise ConfigError(f"config file '{path}'{at}: not valid YAML ({getattr(e, 'problem', e)})") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config file '{path}': top level must be a mapping of sections")
+    for keys, value in parse_overrides(list(overrides)):
+        apply_override(tree, keys, value, f"override '{'.'.join(keys)}'")
+    try:
+        return kind.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, kind, source)) from None
+
+
+def format_validation_error(err: ValidationError, kind: type[Section], source: str) -> str:
+    lines = []
+    for item in err.errors():
+        loc = [str(x) for x in item["loc"]]
+        dotted = ".".join(loc) or "(top level)"
+        if item["type"] == "extra_forbidden":
+            hint = _closest_key(kind, loc)
+            lines.append(f"unknown key '{dotted}'" + (f" (did you mean '{hint}'?)" if hint else ""))
+        elif item["type"] == "missing":
+            lines.append(f"'{dotted}' is required")
+        else:
+            msg = item["msg"].removeprefix("Value error, ")
+            got = "" if item["type"] == "value_error" else f" (got {item.get('input')!r})"
+            lines.append(f"{dotted}: {msg}{got}" if loc else msg)
+    head = f"invalid config ({source}): "
+    return head + ("; ".join(lines))
+
+
+def _closest_key(kind: type[BaseModel], loc: list[str]) -> str | None:
+    """Walk the model classes along `loc` and suggest the nearest valid key for its last part."""
+    model: Any = kind
+    for part in loc[:-1]:
+        if part.isdigit():
+            continue
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return None
+        ann = field.annotation
+        for cand in (ann, *getattr(ann, "__args__", ())):
+            if isinstance(cand, type) and issubclass(cand, BaseModel):
+                model = cand
+                break
+        else:
+            return None
+    names = list(getattr(model, "model_fields", {}))
+    match = difflib.get_close_matches(loc[-1], names, n=1, cutoff=0.5)
+    return ".".join([*loc[:-1], match[0]]) if match else None
+
+
+def redact(tree: Any) -> Any:
+    """Copy of a config tree with values of secret-looking keys replaced (never written to disk)."""
+    if isinstance(tree, dict):
+        return {
+            k: ("<redacted>" if any(w in str(k).lower() for w in SECRET_WORDS) and v else redact(v))
+            for k, v in tree.items()
+        }
+    if isinstance(tree, list):
+        return [redact(v) for v in tree]
+    return tree
+
+
+def dump_config(cfg: Section, path: Path) -> None:
+    path.write_text(yaml.safe_dump(redact(cfg.model_dump(mode="json")), sort_keys=False))
+
+
+def describe(kind: type[BaseModel], prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, description) for every leaf field: the `--help-config` table."""
+    rows = []
+    for name, field in kind.model_fields.items():
+        key = f"{prefix}{name}"
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            rows.extend(describe(ann, key + "."))
+            continue
+        default = "(required)" if field.is_required() else repr(field.get_default(call_default_factory=True))
+        rows.append((key, default, field.description or ""))
+    return rows

@@ -1,0 +1,118 @@
+"""Prompt sets and demonstrations: JSONL files or built-in tasks, and a resumable sampler."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from regen.errors import DataError
+
+
+@dataclass
+class PromptItem:
+    prompt: str
+    meta: dict[str, Any] = field(default_factory=dict)  # passed to rewards (e.g. the reference answer)
+
+
+@dataclass
+class Demo:
+    prompt: str
+    completion: str
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def _builtin(spec: str) -> tuple[str, str]:
+    parts = spec.split(":")
+    if len(parts) != 3 or parts[1] != "arithmetic" or parts[2] not in ("train", "test"):
+        raise DataError(f"unknown built-in data '{spec}' (known: builtin:arithmetic:train, builtin:arithmetic:test)")
+    return parts[1], parts[2]
+
+
+def read_jsonl(path: str, required: tuple[str, ...], where: str) -> list[dict]:
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"{where}: prompt file '{path}' not found")
+    rows = []
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"{where}: cannot read '{path}': {e}") from None
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path} line {n}: not valid JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{path} line {n}: expected a JSON object, got {type(row).__name__}")
+        for key in required:
+            if not isinstance(row.get(key), str):
+                raise DataError(f"{path} line {n}: field '{key}' missing or not a string")
+        rows.append(row)
+    if not rows:
+        raise DataError(f"{where}: '{path}' holds no rows")
+    return rows
+
+
+def load_prompts(spec: str, task, where: str) -> list[PromptItem]:
+    """`spec` is a JSONL path (rows with 'prompt'; other fields become meta) or 'builtin:arithmetic:SPLIT'."""
+    if spec.startswith("builtin:"):
+        from regen.tasks import arithmetic
+
+        _, split = _builtin(spec)
+        return arithmetic.prompts(split, task.digits, task.test_size)
+    rows = read_jsonl(spec, ("prompt",), where)
+    return [PromptItem(prompt=r.pop("prompt"), meta=r) for r in rows]
+
+
+def load_demos(spec: str, task, where: str) -> list[Demo]:
+    """Demonstrations: JSONL rows with 'prompt' and 'completion', or the noisy built-in ones."""
+    if spec.startswith("builtin:"):
+        from regen.tasks import arithmetic
+
+        _, split = _builtin(spec)
+        if split != "train":
+            raise DataError(f"{where}: demonstrations come from the train split, not '{spec}'")
+        return arithmetic.demonstrations(task.digits, task.test_size, task.demo_noise)
+    rows = read_jsonl(spec, ("prompt", "completion"), where)
+    return [Demo(prompt=r.pop("prompt"), completion=r.pop("completion"), meta=r) for r in rows]
+
+
+class EpochSampler:
+    """Draws items without replacement, reshuffling each epoch; its position is two ints.
+
+    The permutation of epoch e is a pure function of (seed, e), so a resumed run only needs
+    (epoch, cursor) to continue with exactly the same data order.
+    """
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed = n, seed
+        self.epoch, self.cursor = 0, 0
+        self._perm = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.n, generator=g).tolist()
+
+    def take(self, k: int) -> list[int]:
+        out = []
+        while len(out) < k:
+            if self.cursor == self.n:
+                self.epoch, self.cursor = self.epoch + 1, 0
+                self._perm = self._permutation(self.epoch)
+            step = min(k - len(out), self.n - self.cursor)
+            out.extend(self._perm[self.cursor : self.cursor + step])
+            self.cursor += step
+        return out
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+    def load_state(self, state: dict) -> None:
+        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+        self._perm = self._permutation(self.epoch)

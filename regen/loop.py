@@ -1,0 +1,227 @@
+"""The RL loop: prompts -> sample -> score -> advantage -> update -> sync, top to bottom.
+
+Modality-specific work sits behind the policy (`regen.policies`), the math in pure
+functions (`regen.algorithms`); this file only orders them and keeps the books (metrics,
+evaluation, checkpoints). Single process; `breakpoint()` works anywhere in it.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from regen import __version__
+from regen.algorithms import ADVANTAGES, POLICY_LOSSES
+from regen.config import RLConfig, dump_config
+from regen.data import EpochSampler, load_prompts
+from regen.errors import UserError
+from regen.evaluate import fmt_eval, run_eval
+from regen.policies.lm import LMPolicy, LMRollout, load_model_and_tokenizer, resolve_device
+from regen.rewards import CombinedReward, Sample
+from regen.runtime import checkpoint as ckpt
+from regen.runtime.metrics import MetricsLogger, read_metrics
+from regen.runtime.optim import lr_at, make_optimizer, set_lr
+from regen.runtime.progress import StepProgress
+from regen.runtime.rundir import prepare, setup_torch
+
+
+def update(
+    policy: LMPolicy, opt, batch: LMRollout, adv: torch.Tensor, mask: torch.Tensor, cfg: RLConfig, gen
+) -> dict[str, float]:
+    """ppo_epochs passes over the batch in minibatches, one optimizer step per minibatch."""
+    a, t = cfg.algorithm, cfg.train
+    temp = cfg.rollout.temperature
+    B, mb = mask.shape[0], t.global_minibatch_size
+    single_pass = t.ppo_epochs == 1 and mb == B
+    with torch.no_grad():
+        # The behaviour policy's log-probs. In a single on-policy pass they equal the new
+        # log-probs before the step, so we reuse the training forward (detached) instead.
+        old_logp = None if single_pass else torch.cat(
+            [policy.token_logprobs(batch.select(i), temp)[0] for i in torch.arange(B).split(mb)]
+        )
+        ref_logp = None if policy.ref is None else torch.cat(
+            [policy.token_logprobs(batch.select(i), temp, use_ref=True)[0] for i in torch.arange(B).split(mb)]
+        )
+    loss_fn = POLICY_LOSSES[a.name]
+    sums: dict[str, float] = {}
+    n_steps = skipped = 0
+    params = [p for p in policy.model.parameters() if p.requires_grad]
+    for _ in range(t.ppo_epochs):
+        order = torch.randperm(B, generator=gen, device=gen.device).cpu() if not single_pass else torch.arange(B)
+        for idx in order.split(mb):
+            sub = batch.select(idx)
+            logp, entropy = policy.token_logprobs(sub, temp, with_entropy=True)
+            loss, m = loss_fn(
+                logp,
+                logp.detach() if old_logp is None else old_logp[idx],
+                adv[idx],
+                mask[idx],
+                ref_logp=None if ref_logp is None else ref_logp[idx],
+                clip_low=a.clip_low,
+                clip_high=a.clip_high,
+                kl_coef=a.kl_coef,
+                kl_estimator=a.kl_estimator,
+                agg=a.loss_agg,
+                norm=float(cfg.rollout.max_new_tokens),
+            )
+            opt.zero_grad(set_to_none=True)
+            if not torch.isfinite(loss):
+                skipped += 1  # a non-finite loss would poison the weights: skip this step
+                continue
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip if t.grad_clip > 0 else float("inf"))
+            if not torch.isfinite(grad_norm):
+                skipped += 1
+                opt.zero_grad(set_to_none=True)
+                continue
+            opt.step()
+            m["grad_norm"] = grad_norm
+            m["entropy"] = (entropy * sub.response_mask).sum() / sub.response_mask.sum().clamp(min=1)
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+            n_steps += 1
+    out = {k: v / max(n_steps, 1) for k, v in sums.items()}
+    out["nonfinite_skipped"] = float(skipped)
+    return out
+
+
+def train(cfg: RLConfig, resume: bool = False) -> dict:
+    # Check everything the user gave before touching the run directory.
+    device = resolve_device(cfg.run.device)
+    reward = CombinedReward.from_config(cfg.reward)
+    prompts = load_prompts(cfg.data.train, cfg.task, "data.train")
+    eval_items = load_prompts(cfg.data.eval, cfg.task, "data.eval") if cfg.data.eval else []
+    if len(prompts) < cfg.prompts_per_step:
+        raise UserError(f"data.train: {len(prompts)} prompts, fewer than the {cfg.prompts_per_step} needed per step")
+    run_dir = prepare(cfg.run.dir, cfg.run.overwrite, resume)
+    setup_torch(cfg.run.threads, cfg.run.seed)
+
+    start_step, state = 0, None
+    if resume:
+        state = ckpt.load_latest(run_dir)
+        start_step = state["state"]["step"]
+    model, tok = load_model_and_tokenizer(cfg.model, cfg.task, cfg.run.seed)
+    reference = "copy" if cfg.algorithm.kl_coef > 0 else None
+    if state is not None:
+        # weights come from the checkpoint; the KL reference stays the run's starting model
+        resumed_cfg = cfg.model.model_copy(update={"path": str(state["model_dir"]), "init": None})
+        reference = model if reference else None
+        model, tok = load_model_and_tokenizer(resumed_cfg, cfg.task, cfg.run.seed)
+    policy = LMPolicy(model, tok, device, reference=reference)
+    policy.model.eval()  # dropout off: sampling and training must see the same function (ratio 1 on-policy)
+    opt = make_optimizer(policy.model, cfg.optim)
+    data = EpochSampler(len(prompts), cfg.run.seed)
+    gen = torch.Generator(device=device).manual_seed(cfg.run.seed)
+    if state is not None:
+        if state["optimizer"] is not None:
+            opt.load_state_dict(state["optimizer"])
+        data.load_state(state["state"]["data"])
+        gen.set_state(state["rng"]["sampler"])
+        torch.set_rng_state(state["rng"]["torch_cpu"])
+        _truncate_metrics(run_dir / "metrics.jsonl", start_step)
+    dump_config(cfg, run_dir / "config.yaml")
+    log = MetricsLogger(run_dir, cfg.log.tensorboard)
+
+    def save(step: int) -> Path:
+        return ckpt.save_checkpoint(
+            run_dir, step, policy.save_pretrained, opt,
+            rng={"sampler": gen.get_state(), "torch_cpu": torch.get_rng_state()},
+            state={"data": data.state(), "regen_version": __version__},
+            keep_last=cfg.checkpoint.keep_last,
+        )
+
+    n = cfg.rollout.group_size
+    r = cfg.rollout
+    before = run_eval(policy, eval_items, cfg, reward) if eval_items and start_step == 0 else {}
+    if before:
+        log.log(0, before)
+    summary = {"eval_before": before}
+    with StepProgress(cfg.train.steps, start_step, cfg.log.progress, cfg.log.every, "grpo") as bar:
+        if before:
+            bar.print(f"held-out before training: {fmt_eval(before)}")
+        for step in range(start_step + 1, cfg.train.steps + 1):
+            t0 = time.perf_counter()
+            # 1. sample: a group of n completions for each prompt of this step
+            items = [prompts[i] for i in data.take(cfg.prompts_per_step)]
+            batch = policy.sample([it.prompt for it in items], n, r.temperature, r.top_p, r.max_new_tokens, gen)
+            t1 = time.perf_counter()
+
+            # 2. score: one reward per completion; NaN = missing (excluded, never zero)
+            finished = batch.finished.tolist()
+            samples = [
+                Sample(items[i // n].prompt, batch.completions[i], items[i // n].meta, finished[i])
+                for i in range(len(batch.completions))
+            ]
+            total, parts = reward(samples)
+            rewards = torch.tensor(total, dtype=torch.float32)
+            t2 = time.perf_counter()
+
+            # 3. advantage: group-relative; missing rewards and degenerate groups get no gradient
+            adv, valid, adv_m = ADVANTAGES[cfg.algorithm.advantage](rewards, n, cfg.algorithm.std_normalize)
+            mask = batch.response_mask * valid.to(batch.response_mask.dtype).unsqueeze(1).to(device)
+            adv = adv.to(device)
+
+            # 4. update: clipped policy loss over minibatches, several epochs
+            lr = lr_at(step, cfg.optim, cfg.train.steps)
+            set_lr(opt, lr)
+            upd = update(policy, opt, batch, adv, mask, cfg, gen)
+            t3 = time.perf_counter()
+
+            # 5. sync: the sampler is the trained model itself in a single process: nothing to move.
+
+            lengths = batch.response_mask.sum(1)
+            finite = rewards[torch.isfinite(rewards)]
+            metrics = {
+                "reward/mean": float(finite.mean()) if len(finite) else float("nan"),
+                "reward/std": float(finite.std()) if len(finite) > 1 else 0.0,
+                **{f"reward/{k}": _nanmean(v) for k, v in parts.items()},
+                "reward/missing_frac": float(adv_m["missing_frac"]),
+                "reward/zero_std_frac": float(adv_m["zero_std_frac"]),
+                "loss": upd.pop("loss", float("nan")),
+                "kl": upd.pop("kl", 0.0),
+                "clip_frac": upd.pop("clip_frac", 0.0),
+                "entropy": upd.pop("entropy", float("nan")),
+                **upd,
+                "response_length/mean": float(lengths.mean()),
+                "response_length/max": float(lengths.max()),
+                "response/truncated_frac": float((~batch.finished).float().mean()),
+                "lr": lr,
+                "time/sample_s": t1 - t0,
+                "time/score_s": t2 - t1,
+                "time/update_s": t3 - t2,
+                "time/step_s": t3 - t0,
+                "throughput/samples_per_s": len(samples) / (t3 - t0),
+            }
+            if eval_items and cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
+                metrics.update(run_eval(policy, eval_items, cfg, reward))
+            log.log(step, metrics)
+            bar.update(step, f"reward {metrics['reward/mean']:.3f}  {metrics['throughput/samples_per_s']:.0f} samples/s")
+            if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != cfg.train.steps:
+                save(step)
+
+        last = save(cfg.train.steps)
+        after = run_eval(policy, eval_items, cfg, reward) if eval_items else {}
+        if after:
+            log.log(cfg.train.steps, after)
+            bar.print(f"held-out after training:  {fmt_eval(after)}")
+    log.close()
+    export_dir = run_dir / "export"
+    policy.save_pretrained(export_dir)
+    summary.update(eval_after=after, checkpoint=str(last), export=str(export_dir))
+    return summary
+
+
+def _nanmean(xs: list[float]) -> float:
+    ok = [x for x in xs if x == x]
+    return sum(ok) / len(ok) if ok else float("nan")
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop rows logged after the checkpoint we resume from: those steps are redone."""
+    if path.exists():
+        keep = [row for row in read_metrics(path) if row["step"] <= step]
+        import json
+
+        path.write_text("".join(json.dumps(row) + "\n" for row in keep))

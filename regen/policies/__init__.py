@@ -1,0 +1,1 @@
+"""Modality adapters: everything model-specific the loop needs sits behind these."""

@@ -1,0 +1,223 @@
+"""Language-model policy over any transformers causal LM: load, sample, score log-probs, export.
+
+Sampling is a plain KV-cached loop over `model.forward` rather than `generate()`: the loop
+needs only temperature / top-p / EOS handling, and skipping generate's per-token machinery
+is most of the speed on small models. The log-probs that enter the loss are always
+recomputed by `token_logprobs` (same code path for old, new and reference), so a fully
+on-policy first update has a ratio of exactly 1.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from regen.errors import UserError
+
+
+@dataclass
+class LMRollout:
+    """A batch of B = prompts x group_size sampled completions."""
+
+    input_ids: torch.Tensor  # (B, P+T) long: prompt left-padded to width P, then response right-padded to T
+    attention_mask: torch.Tensor  # (B, P+T) long: 1 on prompt tokens and on valid response tokens
+    response_mask: torch.Tensor  # (B, T) float: 1 on sampled tokens up to and including EOS
+    finished: torch.Tensor  # (B,) bool: the completion ended with EOS (not truncated)
+    prompt_width: int  # P
+    completions: list[str]  # (B,) decoded responses, EOS and padding removed
+
+    @property
+    def response_ids(self) -> torch.Tensor:  # (B, T)
+        return self.input_ids[:, self.prompt_width :]
+
+    @property
+    def position_ids(self) -> torch.Tensor:  # (B, P+T): left padding must not shift positions
+        return (self.attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+    def select(self, idx: torch.Tensor) -> "LMRollout":
+        keep = idx.tolist()
+        return LMRollout(
+            self.input_ids[idx],
+            self.attention_mask[idx],
+            self.response_mask[idx],
+            self.finished[idx],
+            self.prompt_width,
+            [self.completions[i] for i in keep],
+        )
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("run.device=cuda but no CUDA device is available")
+    return torch.device(name)
+
+
+def _looks_local(path: str) -> bool:
+    """A path that cannot be a hub id ('org/name'), or whose first folder exists here."""
+    p = Path(path).expanduser()
+    return path.startswith((".", "/", "~")) or path.count("/") != 1 or p.parent.exists()
+
+
+def load_model_and_tokenizer(model_cfg, task_cfg, seed: int):
+    """From model.path (a local folder, or a hub id where a network exists) or a built-in recipe."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = getattr(torch, model_cfg.dtype)
+    if model_cfg.init is not None:
+        from regen.tasks.arithmetic import RECIPES
+
+        if model_cfg.init not in RECIPES:
+            raise UserError(f"model.init: unknown recipe '{model_cfg.init}' (known: {', '.join(RECIPES)})")
+        model, tok = RECIPES[model_cfg.init](seed, task_cfg.digits)
+        model = model.to(dtype)
+    else:
+        path = model_cfg.path
+        p = Path(path).expanduser()
+        if p.exists() and not (p / "config.json").is_file():
+            raise UserError(f"model.path: '{path}' is not a model folder (no config.json in it)")
+        if not p.exists() and _looks_local(path):
+            raise UserError(f"model.path: folder '{path}' not found")
+        try:
+            tok = AutoTokenizer.from_pretrained(str(p) if p.exists() else path)
+            model = AutoModelForCausalLM.from_pretrained(str(p) if p.exists() else path, dtype=dtype)
+        except (OSError, ValueError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(f"model.path: cannot load '{path}': {first}") from None
+    if tok.eos_token_id is None:
+        raise UserError("model.path: the tokenizer has no EOS token; completions could never end")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token  # common for causal LMs; padding is always masked out
+    return model, tok
+
+
+class LMPolicy:
+    """The trained model, its tokenizer, and an optional frozen reference copy for the KL term."""
+
+    def __init__(self, model, tokenizer, device: torch.device, reference=None):
+        """`reference`: None (no KL term), "copy" (a frozen copy of the starting weights), or a
+        model to freeze (e.g. the original weights when resuming). No copy is made for None."""
+        self.model = model.to(device)
+        self.tokenizer = tokenizer
+        self.device = device
+        self.eos_id = tokenizer.eos_token_id
+        self.pad_id = tokenizer.pad_token_id
+        if isinstance(reference, str) and reference == "copy":
+            reference = copy.deepcopy(self.model)
+        self.ref = None if reference is None else reference.to(device).eval().requires_grad_(False)
+
+    # ---------------------------------------------------------------- sampling
+
+    @torch.no_grad()
+    def sample(
+        self,
+        prompts: list[str],
+        n: int,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        generator: torch.Generator,
+        greedy: bool = False,
+    ) -> LMRollout:
+        """Sample n completions per prompt (consecutive rows form a group)."""
+        model = self.model
+        was_training = model.training
+        model.eval()
+        enc = self.tokenizer(prompts, padding=True, padding_side="left", return_tensors="pt")
+        prompt_ids = enc["input_ids"].repeat_interleave(n, 0).to(self.device)
+        mask = enc["attention_mask"].repeat_interleave(n, 0).to(self.device)
+        B, P = prompt_ids.shape
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache_arg = _cache_arg(model)
+        out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        past, logits = _cache_of(out), out.logits[:, -1]
+        next_pos = positions[:, -1:] + 1
+        done = torch.zeros(B, dtype=torch.bool, device=self.device)
+        tokens = []
+        for t in range(max_new_tokens):
+            tok = logits.argmax(-1) if greedy else sample_token(logits, temperature, top_p, generator)
+            tok = torch.where(done, torch.full_like(tok, self.pad_id), tok)
+            tokens.append(tok)
+            done = done | (tok == self.eos_id)
+            if t + 1 == max_new_tokens or bool(done.all()):
+                break
+            mask = torch.cat([mask, mask.new_ones(B, 1)], 1)
+            out = model(
+                input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos, use_cache=True,
+                **{cache_arg: past},
+            )
+            past, logits = _cache_of(out), out.logits[:, -1]
+            next_pos = next_pos + 1
+        model.train(was_training)
+        response = torch.stack(tokens, 1)  # (B, T)
+        is_eos = response == self.eos_id
+        # valid = every token up to and including the first EOS
+        before_eos = (is_eos.cumsum(1) - is_eos.long()) == 0
+        response_mask = before_eos.float()
+        finished = is_eos.any(1)
+        body = torch.where(before_eos & ~is_eos, response, torch.full_like(response, self.pad_id))
+        completions = self.tokenizer.batch_decode(body.tolist(), skip_special_tokens=True)
+        return LMRollout(
+            input_ids=torch.cat([prompt_ids, response], 1),
+            attention_mask=torch.cat([enc["attention_mask"].repeat_interleave(n, 0).to(self.device),
+                                      before_eos.long()], 1),
+            response_mask=response_mask,
+            finished=finished,
+            prompt_width=P,
+            completions=completions,
+        )
+
+    # ---------------------------------------------------------------- scoring
+
+    def token_logprobs(
+        self, batch: LMRollout, temperature: float, use_ref: bool = False, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs (B, T) of the sampled response tokens under logits / temperature (the
+        distribution they were sampled from), and optionally the per-token entropy (B, T)."""
+        model = self.ref if use_ref else self.model
+        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids)
+        P = batch.prompt_width
+        logits = out.logits[:, P - 1 : -1].float() / temperature  # position t predicts token t+1
+        logp_all = F.log_softmax(logits, -1)
+        logp = logp_all.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)
+        entropy = None
+        if with_entropy:
+            with torch.no_grad():
+                entropy = -(logp_all.exp() * logp_all).sum(-1)
+        return logp, entropy
+
+    # ---------------------------------------------------------------- export
+
+    def save_pretrained(self, folder: Path) -> None:
+        """A Hugging Face folder that AutoModelForCausalLM / AutoTokenizer load as they are."""
+        folder.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(folder, safe_serialization=True)
+        self.tokenizer.save_pretrained(folder)
+
+
+def _cache_arg(model) -> str:
+    """transformers 5.x names the KV cache argument `cache`; 4.x named it `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _cache_of(out):
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
+    """One token per row from softmax(logits / temperature), restricted to the top-p nucleus."""
+    probs = F.softmax(logits.float() / temperature, -1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the top token is always kept)
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

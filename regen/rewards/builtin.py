@@ -1,0 +1,33 @@
+"""Rule rewards: exact answer and format."""
+
+from __future__ import annotations
+
+import re
+
+from regen.rewards.base import Sample, register
+
+
+@register("exact_match")
+def exact_match(samples: list[Sample], field: str = "answer", strip: bool = True) -> list[float]:
+    """1.0 when the completion equals the prompt row's `field` (e.g. the arithmetic answer), else 0.0.
+
+    A row without that field gets None (missing), not a zero: the data cannot be scored.
+    """
+    out: list[float | None] = []
+    for s in samples:
+        ref = s.meta.get(field)
+        if ref is None:
+            out.append(None)
+            continue
+        got = s.completion.strip() if strip else s.completion
+        want = str(ref).strip() if strip else str(ref)
+        out.append(1.0 if got == want else 0.0)
+    return out
+
+
+@register("format")
+def format_reward(samples: list[Sample], pattern: str = r"\d+", require_eos: bool = True) -> list[float]:
+    """1.0 when the whole completion matches `pattern` (default: digits only) and, if
+    `require_eos`, the model ended it itself instead of running into max_new_tokens."""
+    rx = re.compile(pattern)
+    return [float(bool(rx.fullmatch(s.completion)) and (s.finished or not require_eos)) for s in samples]

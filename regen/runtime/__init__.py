@@ -1,0 +1,1 @@
+"""Run-time services around the loop: checkpoints, metrics sinks, progress display."""

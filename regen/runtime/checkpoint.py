@@ -1,0 +1,174 @@
+"""Checkpoints: one folder per step, written under a temporary name and renamed into place
+when complete, with a SHA-256 manifest. Weights and optimizer tensors are safetensors, the
+rest JSON: loading a checkpoint never unpickles anything.
+
+    checkpoints/step_00000050/
+        model/              Hugging Face folder (config, safetensors weights, tokenizer)
+        optimizer.safetensors, optimizer.json
+        rng.safetensors     torch CPU/CUDA RNG and the sampling generator
+        state.json          step, data position, versions, anything else the loop keeps
+        manifest.json       sha256 of every file above (written last)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from regen.errors import UserError
+
+PREFIX = "step_"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_tree(folder: Path) -> None:
+    for p in sorted(folder.rglob("*")):
+        if p.is_file():
+            with p.open("rb") as f:
+                os.fsync(f.fileno())
+    _fsync_dir(folder)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def optimizer_to_flat(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    """Split an optimizer state_dict into tensors (safetensors) and plain values (JSON)."""
+    sd = opt.state_dict()
+    tensors, scalars = {}, {}
+    for pid, st in sd["state"].items():
+        for k, v in st.items():
+            if torch.is_tensor(v):
+                tensors[f"{pid}.{k}"] = v.detach().cpu().contiguous()
+            else:
+                scalars[f"{pid}.{k}"] = v
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def optimizer_from_flat(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
+    state: dict[int, dict[str, Any]] = {}
+    for key, v in list(tensors.items()) + list(meta["scalars"].items()):
+        pid, name = key.split(".", 1)
+        state.setdefault(int(pid), {})[name] = v
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    save_model,  # callable(folder: Path) writing a Hugging Face folder
+    optimizer: torch.optim.Optimizer | None,
+    rng: dict[str, torch.Tensor],
+    state: dict,
+    keep_last: int,
+) -> Path:
+    root = run_dir / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{PREFIX}{step:08d}"
+    tmp = root / f".tmp-{PREFIX}{step:08d}"
+    if tmp.exists():
+        shutil.rmtree(tmp)  # leftover of a write that was interrupted
+    tmp.mkdir()
+    save_model(tmp / "model")
+    if optimizer is not None:
+        tensors, meta = optimizer_to_flat(optimizer)
+        save_file(tensors, str(tmp / "optimizer.safetensors"))
+        (tmp / "optimizer.json").write_text(json.dumps(meta))
+    save_file({k: v.detach().cpu().contiguous() for k, v in rng.items()}, str(tmp / "rng.safetensors"))
+    (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=1))
+    files = sorted(p for p in tmp.rglob("*") if p.is_file())
+    manifest = {str(p.relative_to(tmp)): _sha256(p) for p in files}
+    (tmp / "manifest.json").write_text(json.dumps({"sha256": manifest}, indent=1))
+    _fsync_tree(tmp)
+    if final.exists():  # same step saved again (e.g. final == periodic): replace atomically enough
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    _retain(root, keep_last)
+    return final
+
+
+def _retain(root: Path, keep_last: int) -> None:
+    done = list_checkpoints(root.parent)
+    for old in done[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    root = run_dir / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX))
+
+
+def verify(folder: Path) -> None:
+    """Raise UserError naming the first file that is missing or does not match the manifest."""
+    mf = folder / "manifest.json"
+    if not mf.is_file():
+        raise UserError(f"checkpoint '{folder}' has no manifest.json (incomplete or not a checkpoint)")
+    try:
+        manifest = json.loads(mf.read_text())["sha256"]
+    except (ValueError, KeyError) as e:
+        raise UserError(f"checkpoint '{folder}': unreadable manifest.json ({e})") from None
+    for rel, digest in manifest.items():
+        p = folder / rel
+        if not p.is_file():
+            raise UserError(f"checkpoint '{folder}': file '{rel}' is missing")
+        if _sha256(p) != digest:
+            raise UserError(f"checkpoint '{folder}': file '{rel}' does not match its checksum (corrupt)")
+
+
+def load_checkpoint(folder: Path) -> dict:
+    """Verified contents: {'model_dir', 'optimizer' (state_dict or None), 'rng', 'state'}."""
+    verify(folder)
+    opt = None
+    if (folder / "optimizer.safetensors").is_file():
+        meta = json.loads((folder / "optimizer.json").read_text())
+        opt = optimizer_from_flat(load_file(str(folder / "optimizer.safetensors")), meta)
+    return {
+        "model_dir": folder / "model",
+        "optimizer": opt,
+        "rng": load_file(str(folder / "rng.safetensors")),
+        "state": json.loads((folder / "state.json").read_text()),
+    }
+
+
+def latest_valid(run_dir: Path) -> tuple[Path | None, list[str]]:
+    """Newest checkpoint that passes verification, and a warning for each newer one skipped."""
+    warnings = []
+    for folder in reversed(list_checkpoints(run_dir)):
+        try:
+            verify(folder)
+            return folder, warnings
+        except UserError as e:
+            warnings.append(f"skipping {e}")
+    return None, warnings
+
+
+def load_latest(run_dir: Path, warn=print) -> dict:
+    """The newest valid checkpoint of a run, for --resume; corrupt newer ones are skipped with a warning."""
+    folder, warnings = latest_valid(run_dir)
+    for w in warnings:
+        warn(f"warning: {w}")
+    if folder is None:
+        raise UserError(f"--resume: no valid checkpoint in '{run_dir / 'checkpoints'}'")
+    return load_checkpoint(folder)

@@ -1,0 +1,118 @@
+"""Supervised fine-tuning on prompt/completion demonstrations (cross-entropy on the
+completion and its EOS only). For the built-in task it trains the RL base from random init
+on imperfect demonstrations."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from regen import __version__
+from regen.config import SFTConfig, dump_config
+from regen.data import Demo, EpochSampler, load_demos, load_prompts
+from regen.errors import DataError
+from regen.evaluate import fmt_eval, run_eval
+from regen.policies.lm import LMPolicy, load_model_and_tokenizer, resolve_device
+from regen.runtime import checkpoint as ckpt
+from regen.runtime.metrics import MetricsLogger
+from regen.runtime.optim import lr_at, make_optimizer, set_lr
+from regen.runtime.progress import StepProgress
+from regen.runtime.rundir import prepare, setup_torch
+
+IGNORE = -100
+
+
+def encode_demos(demos: list[Demo], tok, max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded (N, L) input ids, attention mask, and labels that are IGNORE on the prompt."""
+    p_ids = tok([d.prompt for d in demos], add_special_tokens=True)["input_ids"]
+    c_ids = tok([d.completion for d in demos], add_special_tokens=False)["input_ids"]
+    rows = [(p, c + [tok.eos_token_id]) for p, c in zip(p_ids, c_ids)]
+    L = max(len(p) + len(c) for p, c in rows)
+    if L > max_len:
+        raise DataError(f"data.train: a demonstration is {L} tokens long, more than the model's {max_len} positions")
+    ids = torch.full((len(rows), L), tok.pad_token_id)
+    mask = torch.zeros((len(rows), L), dtype=torch.long)
+    labels = torch.full((len(rows), L), IGNORE)
+    for i, (p, c) in enumerate(rows):
+        seq = p + c
+        ids[i, : len(seq)] = torch.tensor(seq)
+        mask[i, : len(seq)] = 1
+        labels[i, len(p) : len(seq)] = torch.tensor(c)
+    return ids, mask, labels
+
+
+def sft(cfg: SFTConfig, resume: bool = False) -> dict:
+    device = resolve_device(cfg.run.device)
+    demos = load_demos(cfg.data.train, cfg.task, "data.train")
+    eval_items = load_prompts(cfg.data.eval, cfg.task, "data.eval") if cfg.data.eval else []
+    run_dir = prepare(cfg.run.dir, cfg.run.overwrite, resume)
+    setup_torch(cfg.run.threads, cfg.run.seed)
+    start_step, state = 0, None
+    if resume:
+        state = ckpt.load_latest(run_dir)
+        start_step = state["state"]["step"]
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(state["model_dir"]), "init": None})})
+    model, tok = load_model_and_tokenizer(cfg.model, cfg.task, cfg.run.seed)
+    policy = LMPolicy(model, tok, device)
+    max_len = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", 4096)
+    ids, mask, labels = (t.to(device) for t in encode_demos(demos, tok, max_len))
+    opt = make_optimizer(policy.model, cfg.optim)
+    data = EpochSampler(len(demos), cfg.run.seed)
+    if state is not None:
+        opt.load_state_dict(state["optimizer"])
+        data.load_state(state["state"]["data"])
+        torch.set_rng_state(state["rng"]["torch_cpu"])
+    dump_config(cfg, run_dir / "config.yaml")
+    log = MetricsLogger(run_dir, cfg.log.tensorboard)
+    params = [p for p in policy.model.parameters() if p.requires_grad]
+    s = cfg.sft
+
+    def save(step: int):
+        return ckpt.save_checkpoint(
+            run_dir, step, policy.save_pretrained, opt, rng={"torch_cpu": torch.get_rng_state()},
+            state={"data": data.state(), "regen_version": __version__}, keep_last=cfg.checkpoint.keep_last,
+        )
+
+    policy.model.train()
+    with StepProgress(s.steps, start_step, cfg.log.progress, cfg.log.every, "sft") as bar:
+        t_start = time.perf_counter()
+        for step in range(start_step + 1, s.steps + 1):
+            t0 = time.perf_counter()
+            idx = torch.tensor(data.take(s.global_batch_size), device=device)
+            width = int(mask[idx].sum(1).max())  # trim the batch to its longest row
+            b_ids, b_mask, b_lab = ids[idx, :width], mask[idx, :width], labels[idx, :width]
+            logits = policy.model(input_ids=b_ids, attention_mask=b_mask).logits
+            # position t predicts token t+1; mean over completion tokens of the batch
+            loss = F.cross_entropy(
+                logits[:, :-1].flatten(0, 1).float(), b_lab[:, 1:].flatten(), ignore_index=IGNORE
+            )
+            lr = lr_at(step, cfg.optim, s.steps)
+            set_lr(opt, lr)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            gn = torch.nn.utils.clip_grad_norm_(params, s.grad_clip if s.grad_clip > 0 else float("inf"))
+            opt.step()
+            dt = time.perf_counter() - t0
+            metrics = {"loss": loss.item(), "grad_norm": float(gn), "lr": lr, "time/step_s": dt,
+                       "throughput/samples_per_s": s.global_batch_size / dt}
+            if eval_items and cfg.eval.every and step % cfg.eval.every == 0 and step != s.steps:
+                policy.model.eval()
+                metrics.update(run_eval(policy, eval_items, cfg, None))
+                policy.model.train()
+            log.log(step, metrics)
+            bar.update(step, f"loss {metrics['loss']:.3f}  {s.global_batch_size * (step - start_step) / (time.perf_counter() - t_start):.0f} samples/s")
+            if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != s.steps:
+                save(step)
+        last = save(s.steps)
+        policy.model.eval()
+        after = run_eval(policy, eval_items, cfg, None) if eval_items else {}
+        if after:
+            log.log(s.steps, after)
+            bar.print(f"held-out after SFT: {fmt_eval(after)}")
+    log.close()
+    export_dir = run_dir / "export"
+    policy.save_pretrained(export_dir)
+    return {"eval_after": after, "checkpoint": str(last), "export": str(export_dir)}
+

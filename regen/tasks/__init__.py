@@ -1,0 +1,1 @@
+"""Built-in tiny tasks and models for demos and tests (no downloads)."""

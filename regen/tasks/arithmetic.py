@@ -1,0 +1,96 @@
+"""Synthetic addition: prompts "a+b=", answers the decimal sum, held-out split, noisy demos.
+
+The split is drawn with a fixed task seed (not the run seed) so that an SFT run and the RL
+run after it agree on which prompts are held out. The base model is a real transformers
+class (GPT-2) with a character vocabulary, built from a tiny config and saved/loaded through
+`save_pretrained` / `from_pretrained` like any hub model.
+"""
+
+from __future__ import annotations
+
+import random
+
+from regen.data import Demo, PromptItem
+
+SPLIT_SEED = 1234  # fixed: the held-out set must not depend on run.seed
+SPECIALS = ["<pad>", "<eos>", "<unk>"]
+CHARS = list("0123456789+=")
+
+
+def all_pairs(digits: int) -> list[tuple[int, int]]:
+    n = 10**digits
+    return [(a, b) for a in range(n) for b in range(n)]
+
+
+def split(digits: int, test_size: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    pairs = all_pairs(digits)
+    if test_size >= len(pairs):
+        from regen.errors import ConfigError
+
+        raise ConfigError(f"task.test_size={test_size} leaves no training prompts ({len(pairs)} pairs in all)")
+    random.Random(SPLIT_SEED).shuffle(pairs)
+    return pairs[test_size:], pairs[:test_size]
+
+
+def prompt_of(a: int, b: int) -> PromptItem:
+    return PromptItem(prompt=f"{a}+{b}=", meta={"answer": str(a + b)})
+
+
+def prompts(split_name: str, digits: int, test_size: int) -> list[PromptItem]:
+    train, test = split(digits, test_size)
+    return [prompt_of(a, b) for a, b in (train if split_name == "train" else test)]
+
+
+def demonstrations(digits: int, test_size: int, noise: float) -> list[Demo]:
+    """One demonstration per training prompt; a fraction `noise` of them has a wrong answer.
+
+    Corrupted answers are uniform over the range of possible sums (never the true sum), so
+    the SFT model learns the right algorithm but spreads probability over wrong answers:
+    decent greedy accuracy, much lower accuracy when sampled, and room for RL to sharpen it.
+    """
+    rng = random.Random(SPLIT_SEED + 1)
+    top = 2 * 10**digits - 1
+    demos = []
+    for a, b in split(digits, test_size)[0]:
+        answer = a + b
+        if rng.random() < noise:
+            wrong = rng.randrange(top)
+            answer = wrong if wrong < answer else wrong + 1
+        demos.append(Demo(prompt=f"{a}+{b}=", completion=str(answer), meta={"answer": str(a + b)}))
+    return demos
+
+
+def build_tokenizer():
+    """Character-level fast tokenizer that round-trips through AutoTokenizer."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIALS + CHARS)}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tk.decoder = decoders.Fuse()  # join characters without the spaces WordLevel would insert
+    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def build_model(seed: int, digits: int = 2):
+    """A ~0.4M-parameter GPT-2 (2 layers, width 128, 4 heads) from random init, and its tokenizer."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tok = build_tokenizer()
+    max_len = 2 * digits + 2 + digits + 2 + 8  # prompt + answer + EOS, with slack for longer sampling
+    config = GPT2Config(
+        vocab_size=len(tok),
+        n_positions=max(32, max_len),
+        n_embd=128,
+        n_layer=2,
+        n_head=4,
+        bos_token_id=tok.eos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(config), tok
+
+
+RECIPES = {"arith-char-gpt2": build_model}
