@@ -94,7 +94,9 @@ class AlgorithmConfig(Section):
 class TrainConfig(Section):
     steps: int = Field(100, ge=1, description="RL steps (one rollout batch each).")
     ppo_epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
-    global_minibatch_size: int = Field(32, ge=1, description="Completions per optimizer step, over all processes.")
+    global_minibatch_size: int | None = Field(
+        None, ge=1, description="Completions per optimizer step, over all processes; null = the whole rollout batch."
+    )
     grad_clip: float = Field(1.0, ge=0.0, description="Max global gradient norm; 0 disables clipping.")
 
 
@@ -172,6 +174,8 @@ class RLConfig(Section):
                 f"rollout.global_batch_size={r.global_batch_size} is not divisible by "
                 f"rollout.group_size={r.group_size}"
             )
+        if t.global_minibatch_size is None:
+            t.global_minibatch_size = r.global_batch_size
         if t.global_minibatch_size > r.global_batch_size or r.global_batch_size % t.global_minibatch_size:
             raise ValueError(
                 f"train.global_minibatch_size={t.global_minibatch_size} must divide "
@@ -266,12 +270,39 @@ def load_config(kind: type[Section], path: str | None, overrides: list[str] = ()
             raise ConfigError(f"config file '{path}'{at}: not valid YAML ({getattr(e, 'problem', e)})") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"config file '{path}': top level must be a mapping of sections")
+    tree = _merge(_defaults(kind), tree)
     for keys, value in parse_overrides(list(overrides)):
         apply_override(tree, keys, value, f"override '{'.'.join(keys)}'")
     try:
         return kind.model_validate(tree)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e, kind, source)) from None
+
+
+def _defaults(kind: type[BaseModel]) -> dict:
+    """The default values of every section that has them, as a plain tree (so that an
+    override such as `reward.0.weight=2` can address a default list item)."""
+    tree = {}
+    for name, field in kind.model_fields.items():
+        if field.is_required():
+            continue
+        value = field.get_default(call_default_factory=True)
+        if isinstance(value, BaseModel):
+            value = value.model_dump(mode="json")
+        elif isinstance(value, list):
+            value = [v.model_dump(mode="json") if isinstance(v, BaseModel) else v for v in value]
+        tree[name] = value
+    return tree
+
+
+def _merge(base: Any, top: Any) -> Any:
+    """Mappings merge key by key; anything else (values, lists) in `top` replaces `base`."""
+    if isinstance(base, dict) and isinstance(top, dict):
+        out = dict(base)
+        for k, v in top.items():
+            out[k] = _merge(base.get(k), v) if k in base else v
+        return out
+    return top
 
 
 def format_validation_error(err: ValidationError, kind: type[Section], source: str) -> str:

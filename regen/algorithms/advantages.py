@@ -36,10 +36,15 @@ def grpo_advantages(
     var = centred.pow(2).sum(1, keepdim=True) / (count - 1).clamp(min=1)
     std = var.sqrt()
     adv = centred / (std + eps) if std_normalize else centred
-    adv = torch.where(valid, adv, torch.zeros_like(adv))
+    # "all rewards equal" by max == min, not std == 0: a float mean of equal values can be
+    # off by an ulp and leave a std of 1e-17 (and an advantage of 1e-11 instead of 0)
+    hi = torch.where(present, r, torch.full_like(r, -torch.inf)).amax(1)
+    lo = torch.where(present, r, torch.full_like(r, torch.inf)).amin(1)
+    flat = (hi == lo).unsqueeze(1)
+    adv = torch.where(valid & ~flat, adv, torch.zeros_like(adv))
     kept = keep_group.squeeze(1)
     metrics = {
-        "zero_std_frac": ((std.squeeze(1) == 0) & kept).sum() / kept.sum().clamp(min=1),
+        "zero_std_frac": (flat.squeeze(1) & kept).sum() / kept.sum().clamp(min=1),
         "dropped_group_frac": 1.0 - kept.to(torch.float64).mean(),
         "missing_frac": 1.0 - present.to(torch.float64).mean(),
     }

@@ -34,7 +34,7 @@ def aggregate(x: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", nor
     elif mode == "seq-mean-token-sum":
         per_seq = per_seq_sum
     elif mode == "seq-mean-token-sum-norm":
-        if not norm:
+        if norm is None or norm <= 0:
             raise ValueError("seq-mean-token-sum-norm needs a positive `norm` (e.g. the max response length)")
         per_seq = per_seq_sum / norm
     else:

@@ -69,7 +69,10 @@ def optimizer_from_flat(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
     for key, v in list(tensors.items()) + list(meta["scalars"].items()):
         pid, name = key.split(".", 1)
         state.setdefault(int(pid), {})[name] = v
-    return {"state": state, "param_groups": meta["param_groups"]}
+    # JSON turned tuples (e.g. AdamW's betas) into lists; give them back their type
+    groups = [{k: (tuple(v) if isinstance(v, list) and k != "params" else v) for k, v in g.items()}
+              for g in meta["param_groups"]]
+    return {"state": state, "param_groups": groups}
 
 
 def save_checkpoint(

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Quickstart (b): set up and run the test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+. .venv/bin/activate
+python -m pytest "$@"

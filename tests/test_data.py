@@ -1,0 +1,91 @@
+import pytest
+
+from regen.config import TaskConfig
+from regen.data import EpochSampler, load_demos, load_prompts
+from regen.errors import DataError
+from regen.tasks import arithmetic
+
+
+def test_builtin_split_is_disjoint_and_independent_of_run_seed():
+    task = TaskConfig()
+    train = {p.prompt for p in load_prompts("builtin:arithmetic:train", task, "data.train")}
+    test = [p.prompt for p in load_prompts("builtin:arithmetic:test", task, "data.eval")]
+    assert len(test) == 500 and len(set(test)) == 500 and len(train) == 100 * 100 - 500
+    assert not train & set(test)
+    # the split is fixed by the task seed, so an SFT run and a later RL run agree on it
+    assert test == [p.prompt for p in load_prompts("builtin:arithmetic:test", task, "data.eval")]
+
+
+def test_prompt_answers_are_sums():
+    for item in load_prompts("builtin:arithmetic:test", TaskConfig(), "x")[:50]:
+        a, b = item.prompt.rstrip("=").split("+")
+        assert item.meta["answer"] == str(int(a) + int(b))
+
+
+def test_demo_noise_fraction_and_wrong_answers_are_wrong():
+    demos = load_demos("builtin:arithmetic:train", TaskConfig(demo_noise=0.4), "data.train")
+    wrong = [d for d in demos if d.completion != d.meta["answer"]]
+    assert abs(len(wrong) / len(demos) - 0.4) < 0.02
+    clean = load_demos("builtin:arithmetic:train", TaskConfig(demo_noise=0.0), "data.train")
+    assert all(d.completion == d.meta["answer"] for d in clean)
+
+
+def test_jsonl_prompts_keep_extra_fields(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "2+2=", "answer": "4"}\n\n{"prompt": "1+1=", "answer": "2", "id": 7}\n')
+    items = load_prompts(str(f), TaskConfig(), "data.train")
+    assert [i.prompt for i in items] == ["2+2=", "1+1="] and items[1].meta == {"answer": "2", "id": 7}
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"prompt": "a"}\n{"prompt": \n', r"p.jsonl line 2: not valid JSON"),
+        ('{"prompt": "a"}\n["x"]\n', r"p.jsonl line 2: expected a JSON object"),
+        ('{"prompt": "a"}\n{"text": "b"}\n', r"p.jsonl line 2: field 'prompt' missing"),
+        ("\n\n", r"holds no rows"),
+    ],
+)
+def test_bad_jsonl_names_file_and_line(tmp_path, content, message):
+    f = tmp_path / "p.jsonl"
+    f.write_text(content)
+    with pytest.raises(DataError, match=message):
+        load_prompts(str(f), TaskConfig(), "data.train")
+
+
+def test_missing_file_and_unknown_builtin(tmp_path):
+    with pytest.raises(DataError, match="data.train: prompt file .* not found"):
+        load_prompts(str(tmp_path / "nope.jsonl"), TaskConfig(), "data.train")
+    with pytest.raises(DataError, match="unknown built-in data"):
+        load_prompts("builtin:poetry:train", TaskConfig(), "data.train")
+
+
+def test_demos_need_completion(tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_text('{"prompt": "1+1="}\n')
+    with pytest.raises(DataError, match="field 'completion' missing"):
+        load_demos(str(f), TaskConfig(), "data.train")
+
+
+def test_epoch_sampler_covers_each_item_once_per_epoch():
+    s = EpochSampler(10, seed=3)
+    first, second = s.take(10), s.take(10)
+    assert sorted(first) == list(range(10)) and sorted(second) == list(range(10))
+    assert first != second  # reshuffled each epoch
+
+
+def test_epoch_sampler_resumes_exactly():
+    a = EpochSampler(7, seed=1)
+    a.take(5)
+    state = a.state()
+    expected = a.take(12)  # crosses an epoch boundary
+    b = EpochSampler(7, seed=1)
+    b.load_state(state)
+    assert b.take(12) == expected
+
+
+def test_test_size_too_large():
+    from regen.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="leaves no training prompts"):
+        arithmetic.split(1, 100)
