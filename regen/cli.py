@@ -175,12 +175,14 @@ def cmd_sft(args) -> int:
 
 def _print_summary(summary: dict) -> None:
     before, after = summary.get("eval_before") or {}, summary.get("eval_after") or {}
-    for key in after:
-        name = key.removeprefix("eval/")
+    for key in ("eval/accuracy", "eval/greedy_accuracy", "eval/reward"):
+        if key not in after:
+            continue
+        name = "held-out " + key.removeprefix("eval/").replace("_", " ")
         if key in before:
-            print(f"held-out {name}: {before[key]:.3f} -> {after[key]:.3f} ({after[key] - before[key]:+.3f})")
+            print(f"{name}: {before[key]:.3f} -> {after[key]:.3f} ({after[key] - before[key]:+.3f})")
         else:
-            print(f"held-out {name}: {after[key]:.3f}")
+            print(f"{name}: {after[key]:.3f}")
     print(f"model exported to {summary['export']}")
 
 

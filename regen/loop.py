@@ -21,7 +21,7 @@ from regen.evaluate import fmt_eval, run_eval
 from regen.policies.lm import LMPolicy, LMRollout, load_model_and_tokenizer, resolve_device
 from regen.rewards import CombinedReward, Sample
 from regen.runtime import checkpoint as ckpt
-from regen.runtime.metrics import MetricsLogger, read_metrics
+from regen.runtime.metrics import MetricsLogger
 from regen.runtime.optim import lr_at, make_optimizer, set_lr
 from regen.runtime.progress import StepProgress
 from regen.runtime.rundir import prepare, setup_torch
@@ -98,29 +98,17 @@ def train(cfg: RLConfig, resume: bool = False) -> dict:
     run_dir = prepare(cfg.run.dir, cfg.run.overwrite, resume)
     setup_torch(cfg.run.threads, cfg.run.seed)
 
-    start_step, state = 0, None
-    if resume:
-        state = ckpt.load_latest(run_dir)
-        start_step = state["state"]["step"]
-    model, tok = load_model_and_tokenizer(cfg.model, cfg.task, cfg.run.seed)
-    reference = "copy" if cfg.algorithm.kl_coef > 0 else None
-    if state is not None:
-        # weights come from the checkpoint; the KL reference stays the run's starting model
-        resumed_cfg = cfg.model.model_copy(update={"path": str(state["model_dir"]), "init": None})
-        reference = model if reference else None
-        model, tok = load_model_and_tokenizer(resumed_cfg, cfg.task, cfg.run.seed)
+    state = ckpt.load_latest(run_dir) if resume else None
+    model, tok = load_model_and_tokenizer(ckpt.resumed_model(cfg.model, state), cfg.task, cfg.run.seed)
+    reference = None
+    if cfg.algorithm.kl_coef > 0:  # the KL reference is the run's starting model, also after a resume
+        reference = "copy" if state is None else load_model_and_tokenizer(cfg.model, cfg.task, cfg.run.seed)[0]
     policy = LMPolicy(model, tok, device, reference=reference)
     policy.model.eval()  # dropout off: sampling and training must see the same function (ratio 1 on-policy)
     opt = make_optimizer(policy.model, cfg.optim)
     data = EpochSampler(len(prompts), cfg.run.seed)
     gen = torch.Generator(device=device).manual_seed(cfg.run.seed)
-    if state is not None:
-        if state["optimizer"] is not None:
-            opt.load_state_dict(state["optimizer"])
-        data.load_state(state["state"]["data"])
-        gen.set_state(state["rng"]["sampler"])
-        torch.set_rng_state(state["rng"]["torch_cpu"])
-        _truncate_metrics(run_dir / "metrics.jsonl", start_step)
+    start_step = ckpt.restore(state, run_dir, opt, data, gen) if state else 0
     dump_config(cfg, run_dir / "config.yaml")
     log = MetricsLogger(run_dir, cfg.log.tensorboard)
 
@@ -205,7 +193,6 @@ def train(cfg: RLConfig, resume: bool = False) -> dict:
         after = run_eval(policy, eval_items, cfg, reward) if eval_items else {}
         if after:
             log.log(cfg.train.steps, after)
-            bar.print(f"held-out after training:  {fmt_eval(after)}")
     log.close()
     export_dir = run_dir / "export"
     policy.save_pretrained(export_dir)
@@ -217,11 +204,3 @@ def _nanmean(xs: list[float]) -> float:
     ok = [x for x in xs if x == x]
     return sum(ok) / len(ok) if ok else float("nan")
 
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop rows logged after the checkpoint we resume from: those steps are redone."""
-    if path.exists():
-        keep = [row for row in read_metrics(path) if row["step"] <= step]
-        import json
-
-        path.write_text("".join(json.dumps(row) + "\n" for row in keep))

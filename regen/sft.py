@@ -13,7 +13,7 @@ from regen import __version__
 from regen.config import SFTConfig, dump_config
 from regen.data import Demo, EpochSampler, load_demos, load_prompts
 from regen.errors import DataError
-from regen.evaluate import fmt_eval, run_eval
+from regen.evaluate import run_eval
 from regen.policies.lm import LMPolicy, load_model_and_tokenizer, resolve_device
 from regen.runtime import checkpoint as ckpt
 from regen.runtime.metrics import MetricsLogger
@@ -49,21 +49,14 @@ def sft(cfg: SFTConfig, resume: bool = False) -> dict:
     eval_items = load_prompts(cfg.data.eval, cfg.task, "data.eval") if cfg.data.eval else []
     run_dir = prepare(cfg.run.dir, cfg.run.overwrite, resume)
     setup_torch(cfg.run.threads, cfg.run.seed)
-    start_step, state = 0, None
-    if resume:
-        state = ckpt.load_latest(run_dir)
-        start_step = state["state"]["step"]
-        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(state["model_dir"]), "init": None})})
-    model, tok = load_model_and_tokenizer(cfg.model, cfg.task, cfg.run.seed)
+    state = ckpt.load_latest(run_dir) if resume else None
+    model, tok = load_model_and_tokenizer(ckpt.resumed_model(cfg.model, state), cfg.task, cfg.run.seed)
     policy = LMPolicy(model, tok, device)
     max_len = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", 4096)
     ids, mask, labels = (t.to(device) for t in encode_demos(demos, tok, max_len))
     opt = make_optimizer(policy.model, cfg.optim)
     data = EpochSampler(len(demos), cfg.run.seed)
-    if state is not None:
-        opt.load_state_dict(state["optimizer"])
-        data.load_state(state["state"]["data"])
-        torch.set_rng_state(state["rng"]["torch_cpu"])
+    start_step = ckpt.restore(state, run_dir, opt, data) if state else 0
     dump_config(cfg, run_dir / "config.yaml")
     log = MetricsLogger(run_dir, cfg.log.tensorboard)
     params = [p for p in policy.model.parameters() if p.requires_grad]
@@ -110,7 +103,6 @@ def sft(cfg: SFTConfig, resume: bool = False) -> dict:
         after = run_eval(policy, eval_items, cfg, None) if eval_items else {}
         if after:
             log.log(s.steps, after)
-            bar.print(f"held-out after SFT: {fmt_eval(after)}")
     log.close()
     export_dir = run_dir / "export"
     policy.save_pretrained(export_dir)

@@ -8,7 +8,12 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 . .venv/bin/activate
-python -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null
-python -m pip install -q --disable-pip-version-check "torch==2.13.0"
-python -m pip install -q --disable-pip-version-check -e ".[dev]${REGEN_EXTRAS:+,$REGEN_EXTRAS}"
+log=.venv/setup.log
+quiet() {  # pip's build chatter goes to the log, shown only if something fails
+  "$@" >"$log" 2>&1 || { cat "$log"; echo "setup failed: $*" >&2; exit 1; }
+}
+echo "setting up .venv (torch, then regen and its dependencies; log in $log)"
+quiet python -m pip install --disable-pip-version-check --upgrade pip
+quiet python -m pip install --disable-pip-version-check "torch==2.13.0"
+quiet python -m pip install --disable-pip-version-check -e ".[dev]${REGEN_EXTRAS:+,$REGEN_EXTRAS}"
 python -c "import regen, torch; print(f'regen {regen.__version__} ready (torch {torch.__version__})')"

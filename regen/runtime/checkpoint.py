@@ -175,3 +175,26 @@ def load_latest(run_dir: Path, warn=print) -> dict:
     if folder is None:
         raise UserError(f"--resume: no valid checkpoint in '{run_dir / 'checkpoints'}'")
     return load_checkpoint(folder)
+
+
+def resumed_model(model_cfg, state: dict | None):
+    """The model config to load from: the checkpoint's weights when resuming, else as configured."""
+    if state is None:
+        return model_cfg
+    return model_cfg.model_copy(update={"path": str(state["model_dir"]), "init": None})
+
+
+def restore(state: dict, run_dir: Path, opt, data, gen: torch.Generator | None = None) -> int:
+    """Put optimizer, data position and RNG streams back as they were at the checkpoint, drop
+    metrics rows logged after it (those steps are redone), and return its step."""
+    from regen.runtime.metrics import truncate_after
+
+    if state["optimizer"] is not None:
+        opt.load_state_dict(state["optimizer"])
+    data.load_state(state["state"]["data"])
+    torch.set_rng_state(state["rng"]["torch_cpu"])
+    if gen is not None:
+        gen.set_state(state["rng"]["sampler"])
+    step = int(state["state"]["step"])
+    truncate_after(run_dir / "metrics.jsonl", step)
+    return step

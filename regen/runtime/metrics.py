@@ -41,3 +41,10 @@ def _clean(v):
 
 def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def truncate_after(path: Path, step: int) -> None:
+    """Drop rows logged after `step` (a resumed run redoes those steps)."""
+    if path.exists():
+        keep = [row for row in read_metrics(path) if row["step"] <= step]
+        path.write_text("".join(json.dumps(row) + "\n" for row in keep))
