@@ -32,27 +32,30 @@ def update(
 ) -> dict[str, float]:
     """ppo_epochs passes over the batch in minibatches, one optimizer step per minibatch."""
     a, t = cfg.algorithm, cfg.train
-    temp = cfg.rollout.temperature
+    temp, n = cfg.rollout.temperature, cfg.rollout.group_size
     B, mb = mask.shape[0], t.global_minibatch_size
     single_pass = t.ppo_epochs == 1 and mb == B
+    # Minibatches of whole groups let each group's prompt be computed once (see token_logprobs).
+    share = n if mb % n == 0 else 1
+    chunks = torch.arange(B).split(mb)
     with torch.no_grad():
         # The behaviour policy's log-probs. In a single on-policy pass they equal the new
         # log-probs before the step, so we reuse the training forward (detached) instead.
         old_logp = None if single_pass else torch.cat(
-            [policy.token_logprobs(batch.select(i), temp)[0] for i in torch.arange(B).split(mb)]
+            [policy.token_logprobs(batch.select(i), temp, group_size=share)[0] for i in chunks]
         )
         ref_logp = None if policy.ref is None else torch.cat(
-            [policy.token_logprobs(batch.select(i), temp, use_ref=True)[0] for i in torch.arange(B).split(mb)]
+            [policy.token_logprobs(batch.select(i), temp, use_ref=True, group_size=share)[0] for i in chunks]
         )
     loss_fn = POLICY_LOSSES[a.name]
     sums: dict[str, float] = {}
     n_steps = skipped = 0
     params = [p for p in policy.model.parameters() if p.requires_grad]
     for _ in range(t.ppo_epochs):
-        order = torch.randperm(B, generator=gen, device=gen.device).cpu() if not single_pass else torch.arange(B)
+        order = torch.arange(B) if single_pass else _shuffle_groups(B, share, gen)
         for idx in order.split(mb):
             sub = batch.select(idx)
-            logp, entropy = policy.token_logprobs(sub, temp, with_entropy=True)
+            logp, entropy = policy.token_logprobs(sub, temp, with_entropy=True, group_size=share)
             loss, m = loss_fn(
                 logp,
                 logp.detach() if old_logp is None else old_logp[idx],
@@ -85,6 +88,12 @@ def update(
     out = {k: v / max(n_steps, 1) for k, v in sums.items()}
     out["nonfinite_skipped"] = float(skipped)
     return out
+
+
+def _shuffle_groups(B: int, n: int, gen: torch.Generator) -> torch.Tensor:
+    """A random order of the B rows that keeps each group of n consecutive rows together."""
+    groups = torch.randperm(B // n, generator=gen, device=gen.device).cpu()
+    return (groups[:, None] * n + torch.arange(n)).flatten()
 
 
 def train(cfg: RLConfig, resume: bool = False) -> dict:

@@ -122,3 +122,28 @@ def test_export_loads_with_auto_classes(policy, tmp_path):
     for a, b in zip(model.state_dict().values(), policy.model.state_dict().values()):
         assert torch.equal(a, b)
     assert tok.decode(tok("3+4=")["input_ids"]) == "3+4="
+
+
+def test_shared_prompt_prefix_gives_the_same_logprobs_and_gradients(policy):
+    # Groups of 3 completions per prompt; the shared-prefix path runs each prompt once.
+    batch = policy.sample(PROMPTS, 3, 1.0, 1.0, 5, torch.Generator().manual_seed(4))
+    grads = []
+    for group_size in (1, 3):
+        policy.model.zero_grad()
+        logp, _ = policy.token_logprobs(batch, temperature=0.7, group_size=group_size)
+        (logp * batch.response_mask).sum().backward()
+        grads.append({k: p.grad.clone() for k, p in policy.model.named_parameters()})
+        if group_size == 1:
+            plain = logp.detach()
+    m = batch.response_mask.bool()
+    torch.testing.assert_close(logp.detach()[m], plain[m], atol=1e-5, rtol=1e-5)
+    for k in grads[0]:
+        torch.testing.assert_close(grads[1][k], grads[0][k], atol=1e-5, rtol=1e-4)
+
+
+def test_shared_prefix_with_single_token_responses(policy):
+    batch = policy.sample(PROMPTS, 2, 1.0, 1.0, 1, torch.Generator().manual_seed(5))
+    assert batch.response_ids.shape[1] == 1
+    a, _ = policy.token_logprobs(batch, 1.0)
+    b, _ = policy.token_logprobs(batch, 1.0, group_size=2)
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

@@ -130,14 +130,18 @@ class LMPolicy:
         was_training = model.training
         model.eval()
         enc = self.tokenizer(prompts, padding=True, padding_side="left", return_tensors="pt")
-        prompt_ids = enc["input_ids"].repeat_interleave(n, 0).to(self.device)
-        mask = enc["attention_mask"].repeat_interleave(n, 0).to(self.device)
-        B, P = prompt_ids.shape
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        prompt_mask = enc["attention_mask"].to(self.device)
         cache_arg = _cache_arg(model)
-        out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        past, logits = _cache_of(out), out.logits[:, -1]
-        next_pos = positions[:, -1:] + 1
+        # Each prompt is encoded once and its KV cache repeated n times: the group shares it.
+        p_pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+        out = model(input_ids=enc["input_ids"].to(self.device), attention_mask=prompt_mask, position_ids=p_pos,
+                    use_cache=True)
+        past, logits = _cache_of(out), out.logits[:, -1].repeat_interleave(n, 0)
+        past.batch_repeat_interleave(n)
+        prompt_ids = enc["input_ids"].to(self.device).repeat_interleave(n, 0)
+        mask = prompt_mask.repeat_interleave(n, 0)
+        B, P = prompt_ids.shape
+        next_pos = p_pos[:, -1:].repeat_interleave(n, 0) + 1
         done = torch.zeros(B, dtype=torch.bool, device=self.device)
         tokens = []
         for t in range(max_new_tokens):
@@ -165,8 +169,7 @@ class LMPolicy:
         completions = self.tokenizer.batch_decode(body.tolist(), skip_special_tokens=True)
         return LMRollout(
             input_ids=torch.cat([prompt_ids, response], 1),
-            attention_mask=torch.cat([enc["attention_mask"].repeat_interleave(n, 0).to(self.device),
-                                      before_eos.long()], 1),
+            attention_mask=torch.cat([mask[:, :P], before_eos.long()], 1),
             response_mask=response_mask,
             finished=finished,
             prompt_width=P,
@@ -176,15 +179,29 @@ class LMPolicy:
     # ---------------------------------------------------------------- scoring
 
     def token_logprobs(
-        self, batch: LMRollout, temperature: float, use_ref: bool = False, with_entropy: bool = False
+        self,
+        batch: LMRollout,
+        temperature: float,
+        use_ref: bool = False,
+        with_entropy: bool = False,
+        group_size: int = 1,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (B, T) of the sampled response tokens under logits / temperature (the
-        distribution they were sampled from), and optionally the per-token entropy (B, T)."""
+        distribution they were sampled from), and optionally the per-token entropy (B, T).
+
+        With group_size > 1, rows come in groups of consecutive samples of one prompt, and the
+        prompt is run through the model once per group instead of once per sample: its KV
+        cache (with its gradient path) is repeated across the group and only the responses
+        are computed per sample. Same numbers as the plain forward, (n-1)/n less prompt work.
+        """
         model = self.ref if use_ref else self.model
-        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids)
-        P = batch.prompt_width
-        logits = out.logits[:, P - 1 : -1].float() / temperature  # position t predicts token t+1
-        logp_all = F.log_softmax(logits, -1)
+        if group_size > 1:
+            logits = _shared_prefix_logits(model, batch, group_size)
+        else:
+            out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                        position_ids=batch.position_ids)
+            logits = out.logits[:, batch.prompt_width - 1 : -1]  # position t predicts token t+1
+        logp_all = F.log_softmax(logits.float() / temperature, -1)
         logp = logp_all.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)
         entropy = None
         if with_entropy:
@@ -199,6 +216,66 @@ class LMPolicy:
         folder.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(folder, safe_serialization=True)
         self.tokenizer.save_pretrained(folder)
+
+
+def _shared_prefix_logits(model, batch: LMRollout, n: int) -> torch.Tensor:
+    """Logits (B, T, V) predicting each response token, with two savings over one padded
+    forward of (B, P+T) tokens, both exact:
+
+    - each group's prompt runs once and its KV cache (gradient path included) is indexed out
+      to the group's rows, instead of running B copies of it;
+    - rows are split into at most two buckets by response length, so a few long responses
+      do not make every short one pay for their padding. Positions past a row's length get
+      zero logits; they are masked out of every loss.
+    """
+    P, (B, T) = batch.prompt_width, batch.response_ids.shape
+    pos = batch.position_ids
+    group = torch.arange(B, device=batch.input_ids.device) // n
+    lengths = batch.response_mask.sum(1).long().clamp(min=1)
+    cache_arg = _cache_arg(model)
+    pieces = []
+    for rows in _length_buckets(lengths):
+        L = int(lengths[rows].max())
+        uniq, inv = torch.unique(group[rows], return_inverse=True)
+        rep = rows[torch.empty_like(uniq).scatter_(0, inv, torch.arange(len(rows), device=rows.device))]
+        out = model(input_ids=batch.input_ids[rep, :P], attention_mask=batch.attention_mask[rep, :P],
+                    position_ids=pos[rep, :P], use_cache=L > 1)
+        logits = out.logits[inv, -1:]  # predicts response token 0
+        if L > 1:
+            cache = _cache_of(out)
+            cache.batch_select_indices(inv)  # one cache row per sample, sharing its prompt's keys/values
+            rest = model(input_ids=batch.input_ids[rows, P : P + L - 1],
+                         attention_mask=batch.attention_mask[rows, : P + L - 1],
+                         position_ids=pos[rows, P : P + L - 1], use_cache=True, **{cache_arg: cache}).logits
+            logits = torch.cat([logits, rest], 1)
+        pieces.append((rows, logits))
+    full = pieces[0][1].new_zeros(B, T, pieces[0][1].shape[-1])
+    for rows, logits in pieces:
+        full = full.index_put((rows[:, None], torch.arange(logits.shape[1], device=rows.device)), logits)
+    return full
+
+
+# What one extra forward pass costs, in token positions: per-call overhead dominates small
+# batches (measured ~0.8 ms per call vs ~8 us per token position for the built-in model on
+# 2 CPU cores), so a second bucket must save more than that to be worth its two calls.
+CALL_COST_TOKENS = 100
+
+
+def _length_buckets(lengths: torch.Tensor) -> list[torch.Tensor]:
+    """Row indices in one bucket, or two split by response length when the token positions
+    saved outweigh the two extra forward calls."""
+    order = lengths.argsort()
+    srt = lengths[order].tolist()
+    B, longest = len(srt), srt[-1]
+    best_k, best = B, B * longest
+    for k in range(1, B):
+        if srt[k] != srt[k - 1]:
+            cost = k * srt[k - 1] + (B - k) * longest + 2 * CALL_COST_TOKENS
+            if cost < best:
+                best_k, best = k, cost
+    if best_k == B:
+        return [torch.arange(B, device=lengths.device)]
+    return [order[:best_k], order[best_k:]]
 
 
 def _cache_arg(model) -> str:

@@ -19,7 +19,11 @@ def lr_at(step: int, optim, total_steps: int) -> float:
 
 def make_optimizer(model, optim) -> torch.optim.AdamW:
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay)
+    kw = dict(lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay)
+    try:  # one fused kernel for all parameters: several times faster than the per-tensor loop
+        return torch.optim.AdamW(params, fused=True, **kw)
+    except (RuntimeError, ValueError):  # a device or dtype without a fused kernel
+        return torch.optim.AdamW(params, **kw)
 
 
 def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
