@@ -1,4 +1,4 @@
-"""`regen` command line: train | sft | eval | export | rewards.
+"""`regen` command line: train | sft | eval | export | serve-reward | rewards.
 
 User errors (bad config, data, paths, checkpoints) print one line `error: ...` and exit 2;
 anything else is a bug and keeps its traceback.
@@ -88,6 +88,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ex.add_argument("source", metavar="SOURCE", help="Run directory or checkpoints/step_NNNNNNNN folder.")
     ex.add_argument("--out", required=True, help="Destination folder (must not exist, or be empty).")
+
+    sv = sub.add_parser(
+        "serve-reward", help="Serve reward functions over HTTP (the reward-service protocol).",
+        description="Serve registered rewards (or 'module:function') as an HTTP scoring service:\n"
+        "POST /v1/score, GET /v1/info, GET /healthz, OpenAPI schema at /openapi.json and docs at\n"
+        "/docs. A bearer token is required unless --no-auth: it is read from the environment\n"
+        "variable named by --token-env (default REGEN_REWARD_TOKEN) or from --token-file, and is\n"
+        "never logged. Listens on loopback unless --host says otherwise.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sv.add_argument("--reward", action="append", required=True, metavar="NAME",
+                    help="Reward to serve (repeatable; the first is the default of requests).")
+    sv.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1: this machine only).")
+    sv.add_argument("--port", type=int, default=8008, help="TCP port (default 8008).")
+    sv.add_argument("--token-env", default="REGEN_REWARD_TOKEN", help="Environment variable holding the token.")
+    sv.add_argument("--token-file", help="File holding the token (overrides --token-env).")
+    sv.add_argument("--no-auth", action="store_true", help="Serve without authentication (explicit opt-out).")
+    sv.add_argument("--max-batch", type=int, default=1024, help="Most samples per request (default 1024; more: 413).")
+    sv.add_argument("--max-body-mb", type=float, default=32.0, help="Largest request body in MiB (default 32; more: 413).")
+    sv.add_argument("--max-concurrency", type=int, default=4,
+                    help="Requests scored at once; beyond that 429 + Retry-After (default 4).")
+    sv.add_argument("--cache-size", type=int, default=0, help="LRU cache of results by sample content (default 0: off).")
+    sv.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
 
     sub.add_parser("rewards", help="List the registered reward functions.",
                    description="List registered reward names with the first line of their documentation.")
@@ -249,4 +272,34 @@ def cmd_rewards(args) -> int:
     return 0
 
 
-VERBS = {"train": cmd_train, "sft": cmd_sft, "eval": cmd_eval, "export": cmd_export, "rewards": cmd_rewards}
+def cmd_serve_reward(args) -> int:
+    import os
+
+    from regen.rewards.server import ServerConfig, serve
+
+    token = None
+    if not args.no_auth:
+        if args.token_file:
+            p = Path(args.token_file).expanduser()
+            if not p.is_file():
+                raise UserError(f"--token-file '{args.token_file}' not found")
+            token = p.read_text().strip()
+        else:
+            token = os.environ.get(args.token_env, "").strip()
+        if not token:
+            raise UserError(f"no token: set ${args.token_env} or --token-file, or pass --no-auth explicitly")
+    for flag in ("max_batch", "max_concurrency"):
+        if getattr(args, flag) < 1:
+            raise UserError(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.no_auth and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"warning: serving without authentication on {args.host}", file=sys.stderr)
+    cfg = ServerConfig(rewards=args.reward, token=token, max_batch=args.max_batch,
+                       max_body_bytes=int(args.max_body_mb * 1024 * 1024), max_concurrency=args.max_concurrency,
+                       cache_size=args.cache_size)
+    print(f"serving {', '.join(args.reward)} on http://{args.host}:{args.port} "
+          f"(auth {'off' if token is None else 'on'})", file=sys.stderr, flush=True)
+    serve(cfg, args.host, args.port, args.log_level)
+    return 0
+
+
+VERBS = {"train": cmd_train, "serve-reward": cmd_serve_reward, "sft": cmd_sft, "eval": cmd_eval, "export": cmd_export, "rewards": cmd_rewards}

@@ -135,6 +135,15 @@ class CheckpointConfig(Section):
     keep_last: int = Field(2, ge=1, description="Checkpoints kept; older ones are deleted after a new one is complete.")
 
 
+class HealthConfig(Section):
+    missing_alert_frac: float = Field(
+        0.2, ge=0.0, le=1.0, description="Alert when more than this fraction of a step's rewards is missing."
+    )
+    stop_after_unscored_steps: int = Field(
+        3, ge=1, description="Stop with a checkpoint after this many consecutive steps without a single score."
+    )
+
+
 class LogConfig(Section):
     tensorboard: bool = Field(True, description="Write TensorBoard event files into the run directory.")
     progress: Literal["auto", "bar", "lines", "none"] = Field(
@@ -162,6 +171,7 @@ class RLConfig(Section):
     )
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)
     log: LogConfig = Field(default_factory=LogConfig)
 
     @model_validator(mode="after")

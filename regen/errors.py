@@ -16,3 +16,7 @@ class ConfigError(UserError):
 
 class DataError(UserError):
     """Unreadable or malformed prompt/demonstration data."""
+
+
+class RunStopped(UserError):
+    """The run stopped itself (e.g. no rewards for too long) after saving a checkpoint."""

@@ -16,11 +16,12 @@ from regen import __version__
 from regen.algorithms import ADVANTAGES, POLICY_LOSSES
 from regen.config import RLConfig, dump_config
 from regen.data import EpochSampler, load_prompts
-from regen.errors import UserError
+from regen.errors import RunStopped, UserError
 from regen.evaluate import fmt_eval, run_eval
 from regen.policies.lm import LMPolicy, LMRollout, load_model_and_tokenizer, resolve_device
 from regen.rewards import CombinedReward, Sample
 from regen.runtime import checkpoint as ckpt
+from regen.runtime.alerts import Alerts
 from regen.runtime.metrics import MetricsLogger
 from regen.runtime.optim import lr_at, make_optimizer, set_lr
 from regen.runtime.progress import StepProgress
@@ -125,17 +126,21 @@ def train(cfg: RLConfig, resume: bool = False) -> dict:
         return ckpt.save_checkpoint(
             run_dir, step, policy.save_pretrained, opt,
             rng={"sampler": gen.get_state(), "torch_cpu": torch.get_rng_state()},
-            state={"data": data.state(), "regen_version": __version__},
+            state={"data": data.state(), "regen_version": __version__, "reward_versions": reward.versions()},
             keep_last=cfg.checkpoint.keep_last,
         )
 
     n = cfg.rollout.group_size
     r = cfg.rollout
+    alerts = Alerts(run_dir)
+    unscored = 0  # consecutive steps in which no sample got a score
+    expected_versions = state["state"].get("reward_versions") if state else None
     before = run_eval(policy, eval_items, cfg, reward) if eval_items and start_step == 0 else {}
     if before:
         log.log(0, before)
     summary = {"eval_before": before}
     with StepProgress(cfg.train.steps, start_step, cfg.log.progress, cfg.log.every, "grpo") as bar:
+        alerts.echo = bar.print  # alerts go above the live bar, not through it
         if before:
             bar.print(f"held-out before training: {fmt_eval(before)}")
         for step in range(start_step + 1, cfg.train.steps + 1):
@@ -159,11 +164,22 @@ def train(cfg: RLConfig, resume: bool = False) -> dict:
             adv, valid, adv_m = ADVANTAGES[cfg.algorithm.advantage](rewards, n, cfg.algorithm.std_normalize)
             mask = batch.response_mask * valid.to(batch.response_mask.dtype).unsqueeze(1).to(device)
             adv = adv.to(device)
+            missing = float(adv_m["missing_frac"])
+            if missing > cfg.health.missing_alert_frac:
+                alerts.fire(step, "reward_missing", f"{missing:.0%} of rewards missing", missing_frac=missing)
+            if expected_versions and reward.versions() != expected_versions:
+                alerts.fire(step, "scorer_version_changed", f"reward versions {expected_versions} at the checkpoint, "
+                            f"now {reward.versions()}: rewards before and after are not comparable")
+                expected_versions = None
 
-            # 4. update: clipped policy loss over minibatches, several epochs
+            # 4. update: clipped policy loss over minibatches, several epochs. Skipped when no
+            # sample got a score: an optimizer step on zero gradients would still move the
+            # weights through Adam's momentum.
             lr = lr_at(step, cfg.optim, cfg.train.steps)
             set_lr(opt, lr)
-            upd = update(policy, opt, batch, adv, mask, cfg, gen)
+            scored = bool(valid.any())
+            unscored = 0 if scored else unscored + 1
+            upd = update(policy, opt, batch, adv, mask, cfg, gen) if scored else {"update_skipped": 1.0}
             t3 = time.perf_counter()
 
             # 5. sync: the sampler is the trained model itself in a single process: nothing to move.
@@ -190,6 +206,7 @@ def train(cfg: RLConfig, resume: bool = False) -> dict:
                 "time/update_s": t3 - t2,
                 "time/step_s": t3 - t0,
                 "throughput/samples_per_s": len(samples) / (t3 - t0),
+                **reward.stats(),
             }
             if eval_items and cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
                 metrics.update(run_eval(policy, eval_items, cfg, reward))
@@ -197,6 +214,13 @@ def train(cfg: RLConfig, resume: bool = False) -> dict:
             bar.update(step, f"reward {metrics['reward/mean']:.3f}  {metrics['throughput/samples_per_s']:.0f} samples/s")
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != cfg.train.steps:
                 save(step)
+            if unscored >= cfg.health.stop_after_unscored_steps:
+                save(step)
+                alerts.fire(step, "run_stopped", f"no reward came back for {unscored} consecutive steps")
+                raise RunStopped(
+                    f"stopped at step {step}: no reward came back for {unscored} consecutive steps "
+                    f"(see {run_dir / 'alerts.jsonl'}); a checkpoint was written: fix the scorer and rerun with --resume"
+                )
 
         last = save(cfg.train.steps)
         after = run_eval(policy, eval_items, cfg, reward) if eval_items else {}

@@ -7,5 +7,6 @@ importable `package.module:function`.
 
 from regen.rewards.base import REGISTRY, CombinedReward, Sample, register, resolve
 from regen.rewards import builtin  # noqa: F401  (registers the built-in rewards)
+from regen.rewards import client  # noqa: F401  (registers "remote")
 
 __all__ = ["REGISTRY", "CombinedReward", "Sample", "register", "resolve"]

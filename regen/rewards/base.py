@@ -18,20 +18,36 @@ class Sample:
     completion: str
     meta: dict[str, Any] = field(default_factory=dict)  # the prompt row's extra fields, e.g. 'answer'
     finished: bool = True  # ended with EOS (False: cut at max_new_tokens)
+    media: Any = None  # uint8 numpy array: image (H, W, C) or video (F, H, W, C); None for text
 
 
 RewardFn = Callable[..., Sequence[float | None]]
 REGISTRY: dict[str, RewardFn] = {}
 
 
-def register(name: str) -> Callable[[RewardFn], RewardFn]:
-    def deco(fn: RewardFn) -> RewardFn:
+def register(name: str, version: str = "1", kind: str = "scalar", factory: bool = False):
+    """Register a reward under `name`.
+
+    version: reported by the reward service and stored in checkpoints; bump it when the
+        scoring changes so a resumed run can warn that its rewards are not comparable.
+    kind: "scalar" (any float) or "binary" (1.0 good / 0.0 bad; the service also returns it
+        as an integer label).
+    factory: the object is called once with the config's `args` and returns the scoring
+        callable (for rewards with state, e.g. a client holding connections and a cache).
+    """
+
+    def deco(fn):
         if name in REGISTRY:
             raise ValueError(f"reward '{name}' registered twice")
+        fn.reward_version, fn.reward_kind, fn.reward_factory = version, kind, factory
         REGISTRY[name] = fn
         return fn
 
     return deco
+
+
+def version_of(fn) -> str:
+    return str(getattr(fn, "reward_version", None) or getattr(fn, "version", None) or "unversioned")
 
 
 def resolve(name: str, where: str = "reward") -> RewardFn:
@@ -70,8 +86,26 @@ class CombinedReward:
     def from_config(cls, reward_cfg) -> "CombinedReward":
         terms = []
         for i, t in enumerate(reward_cfg):
-            terms.append((t.name, resolve(t.name, where=f"reward.{i}.name"), t.weight, dict(t.args)))
+            fn, args = resolve(t.name, where=f"reward.{i}.name"), dict(t.args)
+            if getattr(fn, "reward_factory", False):
+                try:
+                    fn, args = fn(**args), {}
+                except TypeError as e:
+                    raise ConfigError(f"reward.{i}.args: {e}") from None
+            terms.append((t.name, fn, t.weight, args))
         return cls(terms)
+
+    def versions(self) -> dict[str, str]:
+        """Each term's scorer version (for a remote scorer: what the service last reported)."""
+        return {name: version_of(fn) for name, fn, _, _ in self.terms}
+
+    def stats(self) -> dict[str, float]:
+        """Counters of stateful terms (e.g. a remote client's retries), as metrics."""
+        out = {}
+        for name, fn, _, _ in self.terms:
+            for k, v in (fn.stats() if hasattr(fn, "stats") else {}).items():
+                out[f"reward/{name}/{k}"] = float(v)
+        return out
 
     def __call__(self, samples: list[Sample]) -> tuple[list[float], dict[str, list[float]]]:
         parts: dict[str, list[float]] = {}

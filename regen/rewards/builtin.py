@@ -7,7 +7,7 @@ import re
 from regen.rewards.base import Sample, register
 
 
-@register("exact_match")
+@register("exact_match", version="1", kind="binary")
 def exact_match(samples: list[Sample], field: str = "answer", strip: bool = True) -> list[float]:
     """1.0 when the completion equals the prompt row's `field` (e.g. the arithmetic answer), else 0.0.
 
@@ -25,9 +25,26 @@ def exact_match(samples: list[Sample], field: str = "answer", strip: bool = True
     return out
 
 
-@register("format")
+@register("format", version="1", kind="binary")
 def format_reward(samples: list[Sample], pattern: str = r"\d+", require_eos: bool = True) -> list[float]:
     """1.0 when the whole completion matches `pattern` (default: digits only) and, if
     `require_eos`, the model ended it itself instead of running into max_new_tokens."""
     rx = re.compile(pattern)
     return [float(bool(rx.fullmatch(s.completion)) and (s.finished or not require_eos)) for s in samples]
+
+
+@register("brightness", version="1")
+def brightness(samples: list[Sample], target: float | None = None) -> list[float | None]:
+    """Mean pixel value of an image or video in [0, 1]; with `target`, 1 - |mean - target|.
+
+    A sample without media gets None (missing)."""
+    import numpy as np
+
+    out: list[float | None] = []
+    for s in samples:
+        if s.media is None:
+            out.append(None)
+            continue
+        mean = float(np.asarray(s.media, dtype=np.float64).mean() / 255.0)
+        out.append(mean if target is None else 1.0 - abs(mean - target))
+    return out

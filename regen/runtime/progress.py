@@ -50,6 +50,4 @@ class StepProgress:
             print(f"[{self.label}] step {step}/{self.total} {info} eta {eta:.0f}s", file=sys.stderr, flush=True)
 
     def print(self, msg: str) -> None:
-        if self.mode == "none":
-            return
         self.console.print(msg, highlight=False) if self._bar is not None else print(msg, file=sys.stderr, flush=True)

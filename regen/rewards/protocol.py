@@ -1,0 +1,113 @@
+"""The reward-service wire protocol (HTTP + JSON), shared by server and client.
+
+    POST /v1/score    {"reward": NAME?, "samples": [SAMPLE, ...]}
+                   -> {"scorer": {"name", "version", "kind"}, "results": [RESULT, ...]}
+    GET  /v1/info     rewards served (name, kind, version) and limits
+    GET  /healthz     {"status": "ok"} (no auth)
+
+    SAMPLE = {"id": str, "prompt": str, "text": str | null,
+              "media": {"type": "png" | "gif", "data": base64} | null,
+              "metadata": object, "finished": bool}
+    RESULT = {"id": str, "score": float | null, "label": int | null, "error": str | null}
+
+Results come back in request order, one per sample. A sample that cannot be scored (bad
+media, missing field) gets `score: null` and an `error`; the rest of the batch is scored.
+`label` is set for binary rewards (1 good, 0 bad). Auth: `Authorization: Bearer TOKEN`.
+Errors: 401 bad/missing token, 413 body or batch too large, 422 malformed request (the
+message names the field), 429 saturated (honour Retry-After), 500 scorer crashed.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Media(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["png", "gif"]
+    data: str = Field(description="Base64 of the PNG (image) or GIF (video) file.")
+
+
+class SampleIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    prompt: str = ""
+    text: str | None = None
+    media: Media | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    finished: bool = True
+
+
+class ScoreRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    reward: str | None = Field(None, description="Which served reward; default: the first one.")
+    # Samples are validated one by one by the server, so one malformed sample gets an error
+    # of its own instead of failing the whole batch.
+    samples: list[dict[str, Any]]
+
+
+class Result(BaseModel):
+    id: str
+    score: float | None = None
+    label: int | None = None
+    error: str | None = None
+
+
+class Scorer(BaseModel):
+    name: str
+    version: str
+    kind: str
+
+
+class ScoreResponse(BaseModel):
+    scorer: Scorer
+    results: list[Result]
+
+
+def encode_media(array) -> dict:
+    """uint8 array (H, W, C) -> PNG, (F, H, W, C) -> GIF; as the protocol's media object."""
+    import numpy as np
+    from PIL import Image
+
+    a = np.asarray(array)
+    if a.dtype != np.uint8:
+        raise ValueError(f"media must be uint8, got {a.dtype}")
+    buf = io.BytesIO()
+    if a.ndim == 3:
+        Image.fromarray(a.squeeze(-1) if a.shape[-1] == 1 else a).save(buf, format="PNG")
+        kind = "png"
+    elif a.ndim == 4:
+        frames = [Image.fromarray(f) for f in a]
+        frames[0].save(buf, format="GIF", save_all=True, append_images=frames[1:], duration=100, loop=0)
+        kind = "gif"
+    else:
+        raise ValueError(f"media must be (H, W, C) or (F, H, W, C), got shape {a.shape}")
+    return {"type": kind, "data": base64.b64encode(buf.getvalue()).decode("ascii")}
+
+
+def decode_media(media: Media):
+    """The protocol's media object -> uint8 array; ValueError naming what is wrong."""
+    import numpy as np
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        raw = base64.b64decode(media.data, validate=True)
+    except ValueError:
+        raise ValueError("media.data is not valid base64") from None
+    try:
+        img = Image.open(io.BytesIO(raw))
+        if (img.format or "").lower() != media.type:
+            raise ValueError(f"media.type is '{media.type}' but the data is {img.format or 'unknown'}")
+        if media.type == "png":
+            return np.asarray(img.convert("RGB") if img.mode not in ("RGB", "L") else img)
+        frames = []
+        for i in range(getattr(img, "n_frames", 1)):
+            img.seek(i)
+            frames.append(np.asarray(img.convert("RGB")))
+        return np.stack(frames)
+    except (UnidentifiedImageError, OSError, EOFError):
+        raise ValueError(f"media.data is not a readable {media.type.upper()}") from None

@@ -1,0 +1,19 @@
+"""Reward functions that misbehave on purpose, served by test reward servers."""
+
+import time
+
+from regen.rewards.builtin import exact_match
+
+
+def slow_exact(samples):
+    time.sleep(0.3)
+    return exact_match(samples)
+
+
+def quick_exact(samples):
+    time.sleep(0.02)
+    return exact_match(samples)
+
+
+def crashing(samples):
+    raise RuntimeError("scorer exploded")
