@@ -18,12 +18,12 @@ from typing import Any
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from regen import __version__
 from regen.rewards.base import Sample, resolve, version_of
-from regen.rewards.protocol import Result, SampleIn, ScoreRequest, ScoreResponse, Scorer, decode_media
+from regen.rewards.protocol import SampleIn, ScoreRequest, ScoreResponse, decode_media
 
 
 @dataclass
@@ -147,47 +147,60 @@ def create_app(cfg: ServerConfig) -> FastAPI:
             state["inflight"] -= 1
         state["served"] += len(results)
         kind = getattr(fns[name], "reward_kind", "scalar")
-        return ScoreResponse(scorer=Scorer(name=name, version=version_of(fns[name]), kind=kind), results=results)
+        # built as plain JSON: the response model documents the schema (OpenAPI) without
+        # re-validating every result on the way out
+        return JSONResponse({"scorer": {"name": name, "version": version_of(fns[name]), "kind": kind},
+                             "results": results})
 
     app.add_middleware(BodyLimit, limit=cfg.max_body_bytes)
     return app
 
 
-def _score_batch(fn, name: str, raw: list[dict], cache: OrderedDict, cache_size: int, state: dict) -> list[Result]:
-    results: list[Result | None] = [None] * len(raw)
+_SAMPLES = TypeAdapter(list[SampleIn])
+
+
+def _score_batch(fn, name: str, raw: list[dict], cache: OrderedDict, cache_size: int, state: dict) -> list[dict]:
+    results: list[dict | None] = [None] * len(raw)
+    try:  # fast path: the whole batch is well-formed
+        parsed: list[SampleIn | None] = _SAMPLES.validate_python(raw)
+    except ValidationError:  # find the bad ones; each gets its own error, the rest is scored
+        parsed = []
+        for i, item in enumerate(raw):
+            try:
+                parsed.append(SampleIn.model_validate(item))
+            except ValidationError as e:
+                err = e.errors()[0]
+                where = ".".join(str(x) for x in err["loc"]) or "sample"
+                sid = str(item.get("id", i)) if isinstance(item, dict) else str(i)
+                results[i] = _result(fn, sid, None, f"samples.{i}.{where}: {err['msg']}")
+                parsed.append(None)
     todo: list[tuple[int, Sample, str]] = []
-    for i, item in enumerate(raw):
-        sid = str(item.get("id", i)) if isinstance(item, dict) else str(i)
-        try:
-            s = SampleIn.model_validate(item)
-            media = decode_media(s.media) if s.media is not None else None
-        except ValidationError as e:
-            err = e.errors()[0]
-            where = ".".join(str(x) for x in err["loc"]) or "sample"
-            results[i] = Result(id=sid, error=f"samples.{i}.{where}: {err['msg']}")
+    for i, s in enumerate(parsed):
+        if s is None:
             continue
+        try:
+            media = decode_media(s.media) if s.media is not None else None
         except ValueError as e:
-            results[i] = Result(id=sid, error=f"samples.{i}: {e}")
+            results[i] = _result(fn, s.id, None, f"samples.{i}: {e}")
             continue
         key = ""
         if cache_size:
-            key = hashlib.sha256(json.dumps([name, {k: v for k, v in item.items() if k != "id"}],
+            key = hashlib.sha256(json.dumps([name, {k: v for k, v in raw[i].items() if k != "id"}],
                                             sort_keys=True, default=str).encode()).hexdigest()
             if key in cache:
                 cache.move_to_end(key)
-                score, error = cache[key]
                 state["cache_hits"] += 1
-                results[i] = _result(fn, s.id, score, error)
+                results[i] = _result(fn, s.id, *cache[key])
                 continue
         todo.append((i, Sample(s.prompt, s.text or "", s.metadata, s.finished, media), key))
     if todo:
         scores = list(fn([t[1] for t in todo]))
         if len(scores) != len(todo):
             raise RuntimeError(f"returned {len(scores)} scores for {len(todo)} samples")
-        for (i, sample, key), score in zip(todo, scores):
+        for (i, _, key), score in zip(todo, scores):
             score = None if score is None or score != score else float(score)
             error = None if score is not None else "the scorer returned no score"
-            results[i] = _result(fn, str(raw[i]["id"]), score, error)
+            results[i] = _result(fn, parsed[i].id, score, error)
             if cache_size:
                 cache[key] = (score, error)
                 while len(cache) > cache_size:
@@ -195,11 +208,11 @@ def _score_batch(fn, name: str, raw: list[dict], cache: OrderedDict, cache_size:
     return results  # type: ignore[return-value]
 
 
-def _result(fn, sid: str, score: float | None, error: str | None) -> Result:
+def _result(fn, sid: str, score: float | None, error: str | None) -> dict:
     label = None
     if score is not None and getattr(fn, "reward_kind", "scalar") == "binary":
         label = int(score >= 0.5)
-    return Result(id=sid, score=score, label=label, error=error)
+    return {"id": sid, "score": score, "label": label, "error": error}
 
 
 def serve(cfg: ServerConfig, host: str, port: int, log_level: str = "warning") -> None:
