@@ -8,6 +8,7 @@ evaluation, checkpoints). Single process; `breakpoint()` works anywhere in it.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -28,26 +29,38 @@ from regen.runtime.progress import StepProgress
 from regen.runtime.rundir import prepare, setup_torch
 
 
+def _minibatching(cfg: RLConfig) -> tuple[int, int, bool]:
+    """(minibatch size, rows sharing a prompt inside a minibatch, single on-policy pass?)"""
+    B, mb, n = cfg.rollout.global_batch_size, cfg.train.global_minibatch_size, cfg.rollout.group_size
+    # Minibatches of whole groups let each group's prompt be computed once (see token_logprobs).
+    return mb, (n if mb % n == 0 else 1), cfg.train.ppo_epochs == 1 and mb == B
+
+
+@torch.no_grad()
+def fixed_logprobs(policy: LMPolicy, batch: LMRollout, cfg: RLConfig):
+    """Log-probs that stay fixed during the update: the behaviour policy's (old) and the
+    reference's. They need no rewards, so the loop computes them while scoring runs."""
+    mb, share, single_pass = _minibatching(cfg)
+    temp, chunks = cfg.rollout.temperature, torch.arange(batch.input_ids.shape[0]).split(mb)
+    # In a single on-policy pass the old log-probs equal the new ones before the step, so
+    # the update reuses its own forward (detached) instead of paying for another.
+    old_logp = None if single_pass else torch.cat(
+        [policy.token_logprobs(batch.select(i), temp, group_size=share)[0] for i in chunks]
+    )
+    ref_logp = None if policy.ref is None else torch.cat(
+        [policy.token_logprobs(batch.select(i), temp, use_ref=True, group_size=share)[0] for i in chunks]
+    )
+    return old_logp, ref_logp
+
+
 def update(
-    policy: LMPolicy, opt, batch: LMRollout, adv: torch.Tensor, mask: torch.Tensor, cfg: RLConfig, gen
+    policy: LMPolicy, opt, batch: LMRollout, adv: torch.Tensor, mask: torch.Tensor, old_logp, ref_logp,
+    cfg: RLConfig, gen,
 ) -> dict[str, float]:
     """ppo_epochs passes over the batch in minibatches, one optimizer step per minibatch."""
     a, t = cfg.algorithm, cfg.train
-    temp, n = cfg.rollout.temperature, cfg.rollout.group_size
-    B, mb = mask.shape[0], t.global_minibatch_size
-    single_pass = t.ppo_epochs == 1 and mb == B
-    # Minibatches of whole groups let each group's prompt be computed once (see token_logprobs).
-    share = n if mb % n == 0 else 1
-    chunks = torch.arange(B).split(mb)
-    with torch.no_grad():
-        # The behaviour policy's log-probs. In a single on-policy pass they equal the new
-        # log-probs before the step, so we reuse the training forward (detached) instead.
-        old_logp = None if single_pass else torch.cat(
-            [policy.token_logprobs(batch.select(i), temp, group_size=share)[0] for i in chunks]
-        )
-        ref_logp = None if policy.ref is None else torch.cat(
-            [policy.token_logprobs(batch.select(i), temp, use_ref=True, group_size=share)[0] for i in chunks]
-        )
+    temp, B = cfg.rollout.temperature, mask.shape[0]
+    mb, share, single_pass = _minibatching(cfg)
     loss_fn = POLICY_LOSSES[a.name]
     sums: dict[str, float] = {}
     n_steps = skipped = 0
@@ -133,6 +146,7 @@ def train(cfg: RLConfig, resume: bool = False) -> dict:
     n = cfg.rollout.group_size
     r = cfg.rollout
     alerts = Alerts(run_dir)
+    scorer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="regen-score")
     unscored = 0  # consecutive steps in which no sample got a score
     expected_versions = state["state"].get("reward_versions") if state else None
     before = run_eval(policy, eval_items, cfg, reward) if eval_items and start_step == 0 else {}
@@ -150,13 +164,17 @@ def train(cfg: RLConfig, resume: bool = False) -> dict:
             batch = policy.sample([it.prompt for it in items], n, r.temperature, r.top_p, r.max_new_tokens, gen)
             t1 = time.perf_counter()
 
-            # 2. score: one reward per completion; NaN = missing (excluded, never zero)
+            # 2. score: one reward per completion; NaN = missing (excluded, never zero). Scoring
+            # runs in the background while the reference / behaviour log-probs are computed.
             finished = batch.finished.tolist()
             samples = [
                 Sample(items[i // n].prompt, batch.completions[i], items[i // n].meta, finished[i])
                 for i in range(len(batch.completions))
             ]
-            total, parts = reward(samples)
+            scoring = scorer.submit(reward, samples)
+            old_logp, ref_logp = fixed_logprobs(policy, batch, cfg)
+            t_wait = time.perf_counter()
+            total, parts = scoring.result()
             rewards = torch.tensor(total, dtype=torch.float32)
             t2 = time.perf_counter()
 
@@ -179,7 +197,10 @@ def train(cfg: RLConfig, resume: bool = False) -> dict:
             set_lr(opt, lr)
             scored = bool(valid.any())
             unscored = 0 if scored else unscored + 1
-            upd = update(policy, opt, batch, adv, mask, cfg, gen) if scored else {"update_skipped": 1.0}
+            if scored:
+                upd = update(policy, opt, batch, adv, mask, old_logp, ref_logp, cfg, gen)
+            else:
+                upd = {"update_skipped": 1.0}
             t3 = time.perf_counter()
 
             # 5. sync: the sampler is the trained model itself in a single process: nothing to move.
@@ -202,7 +223,8 @@ def train(cfg: RLConfig, resume: bool = False) -> dict:
                 "response/truncated_frac": float((~batch.finished).float().mean()),
                 "lr": lr,
                 "time/sample_s": t1 - t0,
-                "time/score_s": t2 - t1,
+                "time/score_s": t2 - t_wait,  # waiting for scores after the overlapped log-prob passes
+                "time/logprob_s": t_wait - t1,
                 "time/update_s": t3 - t2,
                 "time/step_s": t3 - t0,
                 "throughput/samples_per_s": len(samples) / (t3 - t0),
@@ -227,6 +249,7 @@ def train(cfg: RLConfig, resume: bool = False) -> dict:
         if after:
             log.log(cfg.train.steps, after)
     log.close()
+    scorer.shutdown()
     export_dir = run_dir / "export"
     policy.save_pretrained(export_dir)
     summary.update(eval_after=after, checkpoint=str(last), export=str(export_dir))
