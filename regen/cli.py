@@ -30,7 +30,11 @@ def _config_verb(sub, name: str, help_: str, description: str):
     )
     p.add_argument("config", nargs="?", metavar="CONFIG.yaml", help="YAML config file (see examples/).")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="Dotted overrides applied after the file.")
-    p.add_argument("--resume", action="store_true", help="Continue the run in run.dir from its latest valid checkpoint.")
+    p.add_argument("--resume", action="store_true",
+                   help="Continue the run in run.dir from its newest valid checkpoint (automatic when run.dir "
+                   "holds checkpoints and run.overwrite is false).")
+    p.add_argument("--force", action="store_true",
+                   help="Resume even though settings that change the computation differ from the checkpoint's.")
     p.add_argument("--help-config", action="store_true", help="List every config key with default and description, then exit.")
     p.add_argument("--print-config", action="store_true", help="Print the resolved config as YAML, then exit.")
     return p
@@ -179,8 +183,9 @@ def cmd_train(args) -> int:
         return 0
     from regen.loop import train
 
-    summary = train(cfg, resume=args.resume)
-    _print_summary(summary)
+    summary = train(cfg, resume=args.resume, force=args.force)
+    if not summary.get("stopped_early"):
+        _print_summary(summary)
     return 0
 
 

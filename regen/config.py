@@ -142,6 +142,24 @@ class HealthConfig(Section):
     stop_after_unscored_steps: int = Field(
         3, ge=1, description="Stop with a checkpoint after this many consecutive steps without a single score."
     )
+    rollback_after_nonfinite: int = Field(
+        3, ge=1, description="Roll back to the last healthy checkpoint after this many consecutive steps whose "
+        "loss or gradient was not finite (a single one is just skipped)."
+    )
+    rollback_lr_factor: float = Field(0.5, gt=0.0, le=1.0, description="Multiply the learning rate by this at each rollback.")
+    max_rollbacks: int = Field(3, ge=0, description="Stop the run instead of rolling back more often than this.")
+    reward_collapse_z: float = Field(
+        4.0, gt=0.0, description="Alert when reward/mean falls this many running standard deviations below its "
+        "running mean (after 20 steps of history)."
+    )
+    kl_alert: float = Field(1.0, gt=0.0, description="Alert when the KL to the reference exceeds this.")
+    rollback_on_alert: bool = Field(
+        False, description="Also roll back on a reward collapse or KL explosion, not only on non-finite values."
+    )
+    stall_alert_s: float = Field(
+        3600.0, gt=0.0, description="Alert when no checkpoint has been written for this many seconds."
+    )
+    webhook_url: str | None = Field(None, description="POST every alert as JSON to this URL (in the background).")
 
 
 class LogConfig(Section):
@@ -352,6 +370,32 @@ def _closest_key(kind: type[BaseModel], loc: list[str]) -> str | None:
     names = list(getattr(model, "model_fields", {}))
     match = difflib.get_close_matches(loc[-1], names, n=1, cutoff=0.5)
     return ".".join([*loc[:-1], match[0]]) if match else None
+
+
+# Settings a resumed run may change freely: they do not alter what the run computes.
+RESUME_FREE = ("train.steps", "run.overwrite", "run.device", "run.threads", "checkpoint.", "log.", "eval.",
+               "health.", "mirror.")
+
+
+def incompatible_changes(saved: dict, current: dict, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two config trees, outside RESUME_FREE,
+    as 'key: old -> new'."""
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        dotted = f"{prefix}{key}"
+        a, b = saved.get(key), current.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += incompatible_changes(a, b, dotted + ".")
+        elif a != b and not dotted.startswith(RESUME_FREE):
+            out.append(f"{dotted}: {a!r} -> {b!r}")
+    return out
+
+
+def config_hash(tree: dict) -> str:
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def redact(tree: Any) -> Any:

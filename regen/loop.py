@@ -13,20 +13,16 @@ from pathlib import Path
 
 import torch
 
-from regen import __version__
 from regen.algorithms import ADVANTAGES, POLICY_LOSSES
-from regen.config import RLConfig, dump_config
-from regen.data import EpochSampler, load_prompts
+from regen.config import RLConfig
 from regen.errors import RunStopped, UserError
 from regen.evaluate import fmt_eval, run_eval
-from regen.policies.lm import LMPolicy, LMRollout, load_model_and_tokenizer, resolve_device
-from regen.rewards import CombinedReward, Sample
-from regen.runtime import checkpoint as ckpt
-from regen.runtime.alerts import Alerts
-from regen.runtime.metrics import MetricsLogger
-from regen.runtime.optim import lr_at, make_optimizer, set_lr
+from regen.policies.lm import LMPolicy, LMRollout
+from regen.rewards import Sample
+from regen.runtime.optim import lr_at, set_lr
 from regen.runtime.progress import StepProgress
-from regen.runtime.rundir import prepare, setup_torch
+from regen.runtime.signals import GracefulStop
+from regen.session import Session
 
 
 def _minibatching(cfg: RLConfig) -> tuple[int, int, bool]:
@@ -110,57 +106,33 @@ def _shuffle_groups(B: int, n: int, gen: torch.Generator) -> torch.Tensor:
     return (groups[:, None] * n + torch.arange(n)).flatten()
 
 
-def train(cfg: RLConfig, resume: bool = False) -> dict:
-    # Check everything the user gave before touching the run directory.
-    device = resolve_device(cfg.run.device)
-    reward = CombinedReward.from_config(cfg.reward)
-    prompts = load_prompts(cfg.data.train, cfg.task, "data.train")
-    eval_items = load_prompts(cfg.data.eval, cfg.task, "data.eval") if cfg.data.eval else []
-    if len(prompts) < cfg.prompts_per_step:
-        raise UserError(f"data.train: {len(prompts)} prompts, fewer than the {cfg.prompts_per_step} needed per step")
-    run_dir = prepare(cfg.run.dir, cfg.run.overwrite, resume)
-    setup_torch(cfg.run.threads, cfg.run.seed)
-
-    state = ckpt.load_latest(run_dir) if resume else None
-    model, tok = load_model_and_tokenizer(ckpt.resumed_model(cfg.model, state), cfg.task, cfg.run.seed)
-    reference = None
-    if cfg.algorithm.kl_coef > 0:  # the KL reference is the run's starting model, also after a resume
-        reference = "copy" if state is None else load_model_and_tokenizer(cfg.model, cfg.task, cfg.run.seed)[0]
-    policy = LMPolicy(model, tok, device, reference=reference)
-    policy.model.eval()  # dropout off: sampling and training must see the same function (ratio 1 on-policy)
-    opt = make_optimizer(policy.model, cfg.optim)
-    data = EpochSampler(len(prompts), cfg.run.seed)
-    gen = torch.Generator(device=device).manual_seed(cfg.run.seed)
-    start_step = ckpt.restore(state, run_dir, opt, data, gen) if state else 0
-    dump_config(cfg, run_dir / "config.yaml")
-    log = MetricsLogger(run_dir, cfg.log.tensorboard)
-
-    def save(step: int) -> Path:
-        return ckpt.save_checkpoint(
-            run_dir, step, policy.save_pretrained, opt,
-            rng={"sampler": gen.get_state(), "torch_cpu": torch.get_rng_state()},
-            state={"data": data.state(), "regen_version": __version__, "reward_versions": reward.versions()},
-            keep_last=cfg.checkpoint.keep_last,
-        )
-
-    n = cfg.rollout.group_size
-    r = cfg.rollout
-    alerts = Alerts(run_dir)
+def train(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
+    run = Session.start(cfg, resume, force)  # inputs checked, run dir ready, state restored
+    policy, opt, data, gen, reward, alerts, health = (
+        run.policy, run.opt, run.data, run.gen, run.reward, run.alerts, run.health)
+    n, r = cfg.rollout.group_size, cfg.rollout
     scorer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="regen-score")
     unscored = 0  # consecutive steps in which no sample got a score
-    expected_versions = state["state"].get("reward_versions") if state else None
-    before = run_eval(policy, eval_items, cfg, reward) if eval_items and start_step == 0 else {}
-    if before:
-        log.log(0, before)
-    summary = {"eval_before": before}
-    with StepProgress(cfg.train.steps, start_step, cfg.log.progress, cfg.log.every, "grpo") as bar:
+    expected_versions = run.saved_reward_versions
+    summary: dict = {"eval_before": {}, "eval_after": {}, "checkpoint": None, "stopped_early": False}
+    if run.start_step >= cfg.train.steps:
+        print(f"run already at step {run.start_step} of {cfg.train.steps}: nothing to do "
+              "(raise train.steps to continue it)")
+        run.close()
+        return {**summary, "export": str(run.run_dir / "export")}
+    if run.eval_items and run.start_step == 0:
+        summary["eval_before"] = run_eval(policy, run.eval_items, cfg, reward)
+        run.log.log(0, summary["eval_before"])
+    with StepProgress(cfg.train.steps, run.start_step, cfg.log.progress, cfg.log.every, "grpo") as bar, \
+            GracefulStop(bar.print) as stop:
         alerts.echo = bar.print  # alerts go above the live bar, not through it
-        if before:
-            bar.print(f"held-out before training: {fmt_eval(before)}")
-        for step in range(start_step + 1, cfg.train.steps + 1):
+        if summary["eval_before"]:
+            bar.print(f"held-out before training: {fmt_eval(summary['eval_before'])}")
+        step = run.start_step
+        for step in range(run.start_step + 1, cfg.train.steps + 1):
             t0 = time.perf_counter()
             # 1. sample: a group of n completions for each prompt of this step
-            items = [prompts[i] for i in data.take(cfg.prompts_per_step)]
+            items = [run.prompts[i] for i in data.take(cfg.prompts_per_step)]
             batch = policy.sample([it.prompt for it in items], n, r.temperature, r.top_p, r.max_new_tokens, gen)
             t1 = time.perf_counter()
 
@@ -180,8 +152,8 @@ def train(cfg: RLConfig, resume: bool = False) -> dict:
 
             # 3. advantage: group-relative; missing rewards and degenerate groups get no gradient
             adv, valid, adv_m = ADVANTAGES[cfg.algorithm.advantage](rewards, n, cfg.algorithm.std_normalize)
-            mask = batch.response_mask * valid.to(batch.response_mask.dtype).unsqueeze(1).to(device)
-            adv = adv.to(device)
+            mask = batch.response_mask * valid.to(batch.response_mask.dtype).unsqueeze(1).to(policy.device)
+            adv = adv.to(policy.device)
             missing = float(adv_m["missing_frac"])
             if missing > cfg.health.missing_alert_frac:
                 alerts.fire(step, "reward_missing", f"{missing:.0%} of rewards missing", missing_frac=missing)
@@ -193,7 +165,7 @@ def train(cfg: RLConfig, resume: bool = False) -> dict:
             # 4. update: clipped policy loss over minibatches, several epochs. Skipped when no
             # sample got a score: an optimizer step on zero gradients would still move the
             # weights through Adam's momentum.
-            lr = lr_at(step, cfg.optim, cfg.train.steps)
+            lr = lr_at(step, cfg.optim, cfg.train.steps) * health.lr_scale
             set_lr(opt, lr)
             scored = bool(valid.any())
             unscored = 0 if scored else unscored + 1
@@ -205,55 +177,72 @@ def train(cfg: RLConfig, resume: bool = False) -> dict:
 
             # 5. sync: the sampler is the trained model itself in a single process: nothing to move.
 
-            lengths = batch.response_mask.sum(1)
-            finite = rewards[torch.isfinite(rewards)]
-            metrics = {
-                "reward/mean": float(finite.mean()) if len(finite) else float("nan"),
-                "reward/std": float(finite.std()) if len(finite) > 1 else 0.0,
-                **{f"reward/{k}": _nanmean(v) for k, v in parts.items()},
-                "reward/missing_frac": float(adv_m["missing_frac"]),
-                "reward/zero_std_frac": float(adv_m["zero_std_frac"]),
-                "loss": upd.pop("loss", float("nan")),
-                "kl": upd.pop("kl", 0.0),
-                "clip_frac": upd.pop("clip_frac", 0.0),
-                "entropy": upd.pop("entropy", float("nan")),
-                **upd,
-                "response_length/mean": float(lengths.mean()),
-                "response_length/max": float(lengths.max()),
-                "response/truncated_frac": float((~batch.finished).float().mean()),
-                "lr": lr,
-                "time/sample_s": t1 - t0,
-                "time/score_s": t2 - t_wait,  # waiting for scores after the overlapped log-prob passes
-                "time/logprob_s": t_wait - t1,
-                "time/update_s": t3 - t2,
-                "time/step_s": t3 - t0,
-                "throughput/samples_per_s": len(samples) / (t3 - t0),
-                **reward.stats(),
-            }
-            if eval_items and cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
-                metrics.update(run_eval(policy, eval_items, cfg, reward))
-            log.log(step, metrics)
+            metrics = step_metrics(batch, rewards, parts, adv_m, upd, lr, (t0, t1, t_wait, t2, t3))
+            metrics.update(reward.stats())
+            if run.eval_items and cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
+                metrics.update(run_eval(policy, run.eval_items, cfg, reward))
+            run.log.log(step, metrics)
             bar.update(step, f"reward {metrics['reward/mean']:.3f}  {metrics['throughput/samples_per_s']:.0f} samples/s")
+
+            # health: skip / roll back / alert; then periodic checkpoint, stop conditions
+            if health.observe(step, metrics):
+                run.rollback(step)
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != cfg.train.steps:
-                save(step)
+                run.save(step)
             if unscored >= cfg.health.stop_after_unscored_steps:
-                save(step)
+                run.save(step)
                 alerts.fire(step, "run_stopped", f"no reward came back for {unscored} consecutive steps")
                 raise RunStopped(
                     f"stopped at step {step}: no reward came back for {unscored} consecutive steps "
-                    f"(see {run_dir / 'alerts.jsonl'}); a checkpoint was written: fix the scorer and rerun with --resume"
+                    f"(see {run.run_dir / 'alerts.jsonl'}); a checkpoint was written: fix the scorer and rerun"
                 )
+            if stop.requested:
+                summary["stopped_early"] = True
+                break
 
-        last = save(cfg.train.steps)
-        after = run_eval(policy, eval_items, cfg, reward) if eval_items else {}
-        if after:
-            log.log(cfg.train.steps, after)
-    log.close()
+        summary["checkpoint"] = run.save(step)
+        if summary["checkpoint"] is None:
+            raise UserError(f"the final checkpoint could not be written to {run.run_dir} (see alerts.jsonl)")
+        if run.eval_items and not summary["stopped_early"]:
+            summary["eval_after"] = run_eval(policy, run.eval_items, cfg, reward)
+            run.log.log(step, summary["eval_after"])
+    run.close()
     scorer.shutdown()
-    export_dir = run_dir / "export"
-    policy.save_pretrained(export_dir)
-    summary.update(eval_after=after, checkpoint=str(last), export=str(export_dir))
+    summary["export"] = str(run.run_dir / "export")
+    if not summary["stopped_early"]:
+        policy.save_pretrained(run.run_dir / "export")
+    else:
+        print(f"stopped at step {step}: checkpoint {summary['checkpoint']}; run the same command to resume")
     return summary
+
+
+def step_metrics(batch, rewards, parts, adv_m, upd: dict, lr: float, times) -> dict[str, float]:
+    """The metrics.jsonl row of one step (see README: The run directory)."""
+    t0, t1, t_wait, t2, t3 = times
+    lengths = batch.response_mask.sum(1)
+    finite = rewards[torch.isfinite(rewards)]
+    return {
+        "reward/mean": float(finite.mean()) if len(finite) else float("nan"),
+        "reward/std": float(finite.std()) if len(finite) > 1 else 0.0,
+        **{f"reward/{k}": _nanmean(v) for k, v in parts.items()},
+        "reward/missing_frac": float(adv_m["missing_frac"]),
+        "reward/zero_std_frac": float(adv_m["zero_std_frac"]),
+        "loss": upd.pop("loss", float("nan")),
+        "kl": upd.pop("kl", 0.0),
+        "clip_frac": upd.pop("clip_frac", 0.0),
+        "entropy": upd.pop("entropy", float("nan")),
+        **upd,
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "response/truncated_frac": float((~batch.finished).float().mean()),
+        "lr": lr,
+        "time/sample_s": t1 - t0,
+        "time/logprob_s": t_wait - t1,  # reference / behaviour passes, overlapped with scoring
+        "time/score_s": t2 - t_wait,  # waiting for scores after that overlap
+        "time/update_s": t3 - t2,
+        "time/step_s": t3 - t0,
+        "throughput/samples_per_s": len(lengths) / (t3 - t0),
+    }
 
 
 def _nanmean(xs: list[float]) -> float:

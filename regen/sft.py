@@ -47,7 +47,7 @@ def sft(cfg: SFTConfig, resume: bool = False) -> dict:
     device = resolve_device(cfg.run.device)
     demos = load_demos(cfg.data.train, cfg.task, "data.train")
     eval_items = load_prompts(cfg.data.eval, cfg.task, "data.eval") if cfg.data.eval else []
-    run_dir = prepare(cfg.run.dir, cfg.run.overwrite, resume)
+    run_dir, resume = prepare(cfg.run.dir, cfg.run.overwrite, resume)
     setup_torch(cfg.run.threads, cfg.run.seed)
     state = ckpt.load_latest(run_dir) if resume else None
     model, tok = load_model_and_tokenizer(ckpt.resumed_model(cfg.model, state), cfg.task, cfg.run.seed)

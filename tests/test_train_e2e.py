@@ -87,12 +87,20 @@ def test_grpo_raises_a_learnable_reward(base_model, tmp_path):
     assert last > first + 0.3, (first, last)
 
 
-def test_refuses_to_clobber_a_run(base_model, tmp_path, capsys):
+def test_existing_run_resumes_or_refuses(base_model, tmp_path, capsys):
     run = tmp_path / "twice"
     assert train(run, base_model, "train.steps=1") == 0
-    assert train(run, base_model, "train.steps=1") == 2
-    assert "already holds a run" in capsys.readouterr().err
-    assert train(run, base_model, "train.steps=1", "run.overwrite=true") == 0
+    # checkpoints present: the same command resumes (here: already complete, nothing to do)
+    assert train(run, base_model, "train.steps=1") == 0
+    assert "nothing to do" in capsys.readouterr().out
+    assert len(read_jsonl(run / "metrics.jsonl")) == 1
+    # metrics but no checkpoint: nothing to resume from, and nothing is overwritten silently
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert train(other, base_model, "train.steps=1") == 2
+    assert "already holds a run without checkpoints" in capsys.readouterr().err
+    assert train(other, base_model, "train.steps=1", "run.overwrite=true") == 0
 
 
 @pytest.mark.parametrize("verb", ["train", "sft"])

@@ -84,36 +84,73 @@ def save_checkpoint(
     state: dict,
     keep_last: int,
 ) -> Path:
+    """Write a checkpoint; on any failure (e.g. ENOSPC) the partial folder is removed, the
+    error re-raised, and every earlier checkpoint is left as it was. `state['healthy']`
+    marks checkpoints a rollback may return to; retention always keeps the newest one."""
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:08d}"
     tmp = root / f".tmp-{PREFIX}{step:08d}"
     if tmp.exists():
         shutil.rmtree(tmp)  # leftover of a write that was interrupted
-    tmp.mkdir()
-    save_model(tmp / "model")
-    if optimizer is not None:
-        tensors, meta = optimizer_to_flat(optimizer)
-        save_file(tensors, str(tmp / "optimizer.safetensors"))
-        (tmp / "optimizer.json").write_text(json.dumps(meta))
-    save_file({k: v.detach().cpu().contiguous() for k, v in rng.items()}, str(tmp / "rng.safetensors"))
-    (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=1))
-    files = sorted(p for p in tmp.rglob("*") if p.is_file())
-    manifest = {str(p.relative_to(tmp)): _sha256(p) for p in files}
-    (tmp / "manifest.json").write_text(json.dumps({"sha256": manifest}, indent=1))
-    _fsync_tree(tmp)
-    if final.exists():  # same step saved again (e.g. final == periodic): replace atomically enough
-        shutil.rmtree(final)
+    try:
+        tmp.mkdir()
+        save_model(tmp / "model")
+        if optimizer is not None:
+            tensors, meta = optimizer_to_flat(optimizer)
+            save_file(tensors, str(tmp / "optimizer.safetensors"))
+            (tmp / "optimizer.json").write_text(json.dumps(meta))
+        save_file({k: v.detach().cpu().contiguous() for k, v in rng.items()}, str(tmp / "rng.safetensors"))
+        (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=1))
+        files = sorted(p for p in tmp.rglob("*") if p.is_file())
+        manifest = {str(p.relative_to(tmp)): _sha256(p) for p in files}
+        (tmp / "manifest.json").write_text(json.dumps({"sha256": manifest}, indent=1))
+        _fsync_tree(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    if final.exists():  # the same step saved again: move the old copy aside until the new one is in place
+        old = root / f".old-{final.name}"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
     os.replace(tmp, final)
     _fsync_dir(root)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     _retain(root, keep_last)
     return final
 
 
+def _is_healthy(folder: Path) -> bool:
+    try:
+        return bool(json.loads((folder / "state.json").read_text()).get("healthy", True))
+    except (OSError, ValueError):
+        return False
+
+
 def _retain(root: Path, keep_last: int) -> None:
+    """Keep the newest `keep_last` checkpoints and the newest healthy one (rollback target)."""
     done = list_checkpoints(root.parent)
-    for old in done[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+    keep = set(done[-keep_last:])
+    healthy = [p for p in done if _is_healthy(p)]
+    if healthy:
+        keep.add(healthy[-1])
+    for folder in done:
+        if folder not in keep:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def latest_healthy(run_dir: Path) -> Path | None:
+    """Newest checkpoint marked healthy that passes verification."""
+    for folder in reversed(list_checkpoints(run_dir)):
+        if _is_healthy(folder):
+            try:
+                verify(folder)
+                return folder
+            except UserError:
+                continue
+    return None
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:

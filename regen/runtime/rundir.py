@@ -11,8 +11,12 @@ from regen.errors import UserError
 RUN_FILES = ("metrics.jsonl", "alerts.jsonl", "tensorboard", "checkpoints", "export", "samples")
 
 
-def prepare(run_dir: str, overwrite: bool, resume: bool) -> Path:
+def prepare(run_dir: str, overwrite: bool, resume: bool) -> tuple[Path, bool]:
+    """Create/check the run directory; return it and whether to resume. A directory that
+    holds checkpoints is resumed automatically unless run.overwrite is set."""
     path = Path(run_dir)
+    if not overwrite and (path / "checkpoints").is_dir() and any((path / "checkpoints").glob("step_*")):
+        resume = True
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -23,13 +27,13 @@ def prepare(run_dir: str, overwrite: bool, resume: bool) -> Path:
     if used and not resume:
         if not overwrite:
             raise UserError(
-                f"run.dir: '{run_dir}' already holds a run; pass --resume to continue it, "
-                "run.overwrite=true to replace it, or choose another run.dir"
+                f"run.dir: '{run_dir}' already holds a run without checkpoints; pass run.overwrite=true "
+                "to replace it, or choose another run.dir"
             )
         for name in RUN_FILES:
             p = path / name
             shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
-    return path
+    return path, resume
 
 
 def setup_torch(threads: int, seed: int) -> None:
@@ -38,3 +42,22 @@ def setup_torch(threads: int, seed: int) -> None:
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
+
+
+def versions(model_source: str, reward_versions: dict, config_tree: dict) -> dict:
+    """What produced a checkpoint: regen version, git commit of regen's source when it is a
+    checkout, model source, reward versions, and a hash of the resolved config."""
+    import subprocess
+
+    from regen import __version__
+    from regen.config import config_hash
+
+    commit = None
+    try:
+        out = subprocess.run(["git", "-C", str(Path(__file__).parent), "rev-parse", "HEAD"],
+                             capture_output=True, text=True, timeout=5)
+        commit = out.stdout.strip() or None if out.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return {"regen": __version__, "git_commit": commit, "model": model_source, "rewards": reward_versions,
+            "config_hash": config_hash(config_tree)}

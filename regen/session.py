@@ -1,0 +1,124 @@
+"""Everything around the RL loop that is not the loop: checking inputs, preparing or
+resuming the run directory, saving checkpoints, rolling back. `regen.loop.train` reads top
+to bottom because this file holds the bookkeeping."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from regen.config import RLConfig, dump_config, incompatible_changes, redact
+from regen.data import EpochSampler, PromptItem, load_prompts
+from regen.errors import RunStopped, UserError
+from regen.policies.lm import LMPolicy, load_model_and_tokenizer, resolve_device
+from regen.rewards import CombinedReward
+from regen.runtime import checkpoint as ckpt
+from regen.runtime.alerts import Alerts
+from regen.runtime.health import HealthMonitor
+from regen.runtime.metrics import MetricsLogger
+from regen.runtime.optim import make_optimizer
+from regen.runtime.rundir import prepare, setup_torch, versions
+
+
+@dataclass
+class Session:
+    cfg: RLConfig
+    run_dir: Path
+    policy: LMPolicy
+    opt: torch.optim.Optimizer
+    data: EpochSampler
+    gen: torch.Generator
+    reward: CombinedReward
+    prompts: list[PromptItem]
+    eval_items: list[PromptItem]
+    log: MetricsLogger
+    alerts: Alerts
+    health: HealthMonitor
+    start_step: int
+    saved_reward_versions: dict | None  # from the checkpoint resumed, to warn when they changed
+
+    @classmethod
+    def start(cls, cfg: RLConfig, resume: bool = False, force: bool = False) -> "Session":
+        # Check everything the user gave before touching the run directory.
+        device = resolve_device(cfg.run.device)
+        reward = CombinedReward.from_config(cfg.reward)
+        prompts = load_prompts(cfg.data.train, cfg.task, "data.train")
+        eval_items = load_prompts(cfg.data.eval, cfg.task, "data.eval") if cfg.data.eval else []
+        if len(prompts) < cfg.prompts_per_step:
+            raise UserError(f"data.train: {len(prompts)} prompts, fewer than the {cfg.prompts_per_step} per step")
+        run_dir, resume = prepare(cfg.run.dir, cfg.run.overwrite, resume)
+        setup_torch(cfg.run.threads, cfg.run.seed)
+        alerts = Alerts(run_dir, webhook_url=cfg.health.webhook_url)
+
+        state = ckpt.load_latest(run_dir, warn=lambda m: alerts.fire(-1, "checkpoint_skipped", m)) if resume else None
+        if state is not None:
+            saved = state["state"].get("config")
+            diff = incompatible_changes(saved, redact(cfg.model_dump(mode="json"))) if saved else []
+            if diff and not force:
+                raise UserError("cannot resume: the config differs from the checkpoint's in "
+                                + "; ".join(diff) + " (pass --force to resume anyway, or use another run.dir)")
+            print(f"resuming from {state['model_dir'].parent}")
+        model, tok = load_model_and_tokenizer(ckpt.resumed_model(cfg.model, state), cfg.task, cfg.run.seed)
+        reference = None
+        if cfg.algorithm.kl_coef > 0:  # the KL reference is the run's starting model, also after a resume
+            reference = "copy" if state is None else load_model_and_tokenizer(cfg.model, cfg.task, cfg.run.seed)[0]
+        policy = LMPolicy(model, tok, device, reference=reference)
+        policy.model.eval()  # dropout off: sampling and training see the same function (ratio 1 on-policy)
+        opt = make_optimizer(policy.model, cfg.optim)
+        data = EpochSampler(len(prompts), cfg.run.seed)
+        gen = torch.Generator(device=device).manual_seed(cfg.run.seed)
+        health = HealthMonitor(cfg.health, alerts)
+        start_step = 0
+        if state is not None:
+            start_step = ckpt.restore(state, run_dir, opt, data, gen)
+            if "health" in state["state"]:
+                health.load_state(state["state"]["health"])
+        dump_config(cfg, run_dir / "config.yaml")
+        return cls(cfg, run_dir, policy, opt, data, gen, reward, prompts, eval_items,
+                   MetricsLogger(run_dir, cfg.log.tensorboard), alerts, health, start_step,
+                   state["state"].get("reward_versions") if state else None)
+
+    def save(self, step: int) -> Path | None:
+        """Write a checkpoint; a failed write (disk full...) raises an alert and returns None:
+        earlier checkpoints are untouched and training goes on."""
+        tree = redact(self.cfg.model_dump(mode="json"))
+        try:
+            folder = ckpt.save_checkpoint(
+                self.run_dir, step, self.policy.save_pretrained, self.opt,
+                rng={"sampler": self.gen.get_state(), "torch_cpu": torch.get_rng_state()},
+                state={"data": self.data.state(), "healthy": not self.health.problem,
+                       "health": self.health.state(), "reward_versions": self.reward.versions(), "config": tree,
+                       "versions": versions(self.cfg.model.path or self.cfg.model.init, self.reward.versions(), tree)},
+                keep_last=self.cfg.checkpoint.keep_last,
+            )
+        except OSError as e:
+            self.alerts.fire(step, "checkpoint_failed", f"checkpoint at step {step} not written: {e.strerror or e}")
+            return None
+        self.health.checkpointed()
+        return folder
+
+    def rollback(self, step: int) -> None:
+        """Return the weights and optimizer to the last healthy checkpoint (or the starting
+        model) and scale the learning rate down. Data and RNG streams keep moving forward, so
+        the batches that went wrong are not replayed."""
+        if self.health.rollbacks >= self.cfg.health.max_rollbacks:
+            self.save(step)
+            raise RunStopped(f"stopped at step {step}: still unhealthy after {self.health.rollbacks} rollbacks "
+                             f"(see {self.run_dir / 'alerts.jsonl'})")
+        folder = ckpt.latest_healthy(self.run_dir)
+        source = self.cfg.model if folder is None else ckpt.resumed_model(self.cfg.model, {"model_dir": folder / "model"})
+        weights, _ = load_model_and_tokenizer(source, self.cfg.task, self.cfg.run.seed)
+        self.policy.model.load_state_dict(weights.state_dict())
+        if folder is None:
+            self.opt.state.clear()  # back to the start: a fresh optimizer
+        else:
+            self.opt.load_state_dict(ckpt.load_checkpoint(folder)["optimizer"])
+        self.health.rolled_back()
+        self.alerts.fire(step, "rollback", f"rolled back to {folder.name if folder else 'the starting model'}; "
+                         f"learning rate x{self.health.lr_scale:g}", lr_scale=self.health.lr_scale)
+
+    def close(self) -> None:
+        self.log.close()
+        self.alerts.flush()
