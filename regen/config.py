@@ -58,6 +58,9 @@ class DataConfig(Section):
     eval: str | None = Field(
         "builtin:arithmetic:test", description="Held-out prompts, same formats as data.train; null disables eval."
     )
+    on_bad_line: Literal["error", "skip"] = Field(
+        "error", description="A malformed JSONL line: stop with its file and line number, or skip it and count it."
+    )
 
 
 class TaskConfig(Section):

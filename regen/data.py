@@ -32,45 +32,63 @@ def _builtin(spec: str) -> tuple[str, str]:
     return parts[1], parts[2]
 
 
-def read_jsonl(path: str, required: tuple[str, ...], where: str) -> list[dict]:
+def read_jsonl(path: str, required: tuple[str, ...], where: str, skip_bad: bool = False) -> list[dict]:
+    """Rows of a JSONL file. A malformed line is an error naming file and line, or, with
+    skip_bad, is skipped and counted in a warning."""
     p = Path(path)
     if not p.is_file():
         raise DataError(f"{where}: prompt file '{path}' not found")
     rows = []
     try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"{where}: cannot read '{path}': {e}") from None
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
+        raw = p.read_bytes()
+    except OSError as e:
+        raise DataError(f"{where}: cannot read '{path}': {e.strerror}") from None
+    bad: list[str] = []
+    for n, data in enumerate(raw.split(b"\n"), 1):
+        if not data.strip():
             continue
         try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path} line {n}: not valid JSON ({e.msg})") from None
-        if not isinstance(row, dict):
-            raise DataError(f"{path} line {n}: expected a JSON object, got {type(row).__name__}")
-        for key in required:
-            if not isinstance(row.get(key), str):
-                raise DataError(f"{path} line {n}: field '{key}' missing or not a string")
-        rows.append(row)
+            try:
+                line = data.decode("utf-8")
+            except UnicodeDecodeError:
+                raise DataError(f"{path} line {n}: not valid UTF-8 (corrupt bytes)") from None
+            rows.append(_parse_row(line, path, n, required))
+        except DataError as e:
+            if not skip_bad:
+                raise
+            bad.append(str(e))
+    if bad:
+        print(f"warning: {where}: skipped {len(bad)} malformed line(s) of '{path}', first: {bad[0]}")
     if not rows:
         raise DataError(f"{where}: '{path}' holds no rows")
     return rows
 
 
-def load_prompts(spec: str, task, where: str) -> list[PromptItem]:
+def _parse_row(line: str, path: str, n: int, required: tuple[str, ...]) -> dict:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path} line {n}: not valid JSON ({e.msg})") from None
+    if not isinstance(row, dict):
+        raise DataError(f"{path} line {n}: expected a JSON object, got {type(row).__name__}")
+    for key in required:
+        if not isinstance(row.get(key), str):
+            raise DataError(f"{path} line {n}: field '{key}' missing or not a string")
+    return row
+
+
+def load_prompts(spec: str, task, where: str, skip_bad: bool = False) -> list[PromptItem]:
     """`spec` is a JSONL path (rows with 'prompt'; other fields become meta) or 'builtin:arithmetic:SPLIT'."""
     if spec.startswith("builtin:"):
         from regen.tasks import arithmetic
 
         _, split = _builtin(spec)
         return arithmetic.prompts(split, task.digits, task.test_size)
-    rows = read_jsonl(spec, ("prompt",), where)
+    rows = read_jsonl(spec, ("prompt",), where, skip_bad)
     return [PromptItem(prompt=r.pop("prompt"), meta=r) for r in rows]
 
 
-def load_demos(spec: str, task, where: str) -> list[Demo]:
+def load_demos(spec: str, task, where: str, skip_bad: bool = False) -> list[Demo]:
     """Demonstrations: JSONL rows with 'prompt' and 'completion', or the noisy built-in ones."""
     if spec.startswith("builtin:"):
         from regen.tasks import arithmetic
@@ -79,7 +97,7 @@ def load_demos(spec: str, task, where: str) -> list[Demo]:
         if split != "train":
             raise DataError(f"{where}: demonstrations come from the train split, not '{spec}'")
         return arithmetic.demonstrations(task.digits, task.test_size, task.demo_noise)
-    rows = read_jsonl(spec, ("prompt", "completion"), where)
+    rows = read_jsonl(spec, ("prompt", "completion"), where, skip_bad)
     return [Demo(prompt=r.pop("prompt"), completion=r.pop("completion"), meta=r) for r in rows]
 
 

@@ -44,8 +44,8 @@ class Session:
         # Check everything the user gave before touching the run directory.
         device = resolve_device(cfg.run.device)
         reward = CombinedReward.from_config(cfg.reward)
-        prompts = load_prompts(cfg.data.train, cfg.task, "data.train")
-        eval_items = load_prompts(cfg.data.eval, cfg.task, "data.eval") if cfg.data.eval else []
+        prompts = load_prompts(cfg.data.train, cfg.task, "data.train", cfg.data.on_bad_line == "skip")
+        eval_items = load_prompts(cfg.data.eval, cfg.task, "data.eval", cfg.data.on_bad_line == "skip") if cfg.data.eval else []
         if len(prompts) < cfg.prompts_per_step:
             raise UserError(f"data.train: {len(prompts)} prompts, fewer than the {cfg.prompts_per_step} per step")
         run_dir, resume = prepare(cfg.run.dir, cfg.run.overwrite, resume)

@@ -89,3 +89,13 @@ def test_test_size_too_large():
 
     with pytest.raises(ConfigError, match="leaves no training prompts"):
         arithmetic.split(1, 100)
+
+
+def test_corrupt_bytes_name_the_line_and_skip_mode_counts(tmp_path, capsys):
+    f = tmp_path / "p.jsonl"
+    f.write_bytes(b'{"prompt": "a"}\n{"prompt": "\xff\xfe"}\n{"prompt": "c"}\n{"prompt": "trunc')
+    with pytest.raises(DataError, match=r"p.jsonl line 2: not valid UTF-8"):
+        load_prompts(str(f), TaskConfig(), "data.train")
+    items = load_prompts(str(f), TaskConfig(), "data.train", skip_bad=True)
+    assert [i.prompt for i in items] == ["a", "c"]
+    assert "skipped 2 malformed line(s)" in capsys.readouterr().out

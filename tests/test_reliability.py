@@ -1,0 +1,232 @@
+"""Surviving failures: kills, signals, corrupt checkpoints, NaNs, full disks, changed configs."""
+
+import errno
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import regen.loop
+import regen.runtime.checkpoint as ckpt_mod
+from regen.cli import main
+from regen.runtime.alerts import Alerts
+from regen.runtime.health import HealthMonitor
+from regen.config import HealthConfig
+from tests.conftest import read_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST = ["rollout.global_batch_size=16", "rollout.group_size=4", "rollout.max_new_tokens=4", "log.progress=none",
+        "data.eval=null", "log.tensorboard=false", "optim.lr=1e-3"]
+
+
+def args(base, run, *extra):
+    return ["train", f"model.path={base}", f"run.dir={run}", *FAST, *extra]
+
+
+def weights(run):
+    return load_file(str(run / "export" / "model.safetensors"))
+
+
+def same_run(a, b):
+    wa, wb = weights(a), weights(b)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))} for r in rows]  # noqa: E731
+    assert strip(read_jsonl(a / "metrics.jsonl")) == strip(read_jsonl(b / "metrics.jsonl"))
+
+
+@pytest.fixture(scope="module")
+def reference_run(base_model, tmp_path_factory):
+    run = tmp_path_factory.mktemp("ref") / "run"
+    assert main(args(base_model, run, "train.steps=12", "checkpoint.every=1", "checkpoint.keep_last=3")) == 0
+    return run
+
+
+def _wait_rows(path: Path, n: int, proc, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if path.exists() and len(path.read_text().splitlines()) >= n:
+            return
+        time.sleep(0.02)
+
+
+def test_sigkill_at_several_steps_then_resume_is_bitwise_identical(base_model, reference_run, tmp_path):
+    run = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "regen", *args(base_model, run, "train.steps=12", "checkpoint.every=1",
+                                                  "checkpoint.keep_last=3")]
+    for kill_at in (3, 7, 10):  # each time the same command resumes where the last checkpoint left it
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+        _wait_rows(run / "metrics.jsonl", kill_at, proc)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert subprocess.run(cmd, capture_output=True, cwd=ROOT).returncode == 0
+    same_run(reference_run, run)
+
+
+def test_sigterm_finishes_the_step_checkpoints_and_exits_0(base_model, reference_run, tmp_path):
+    run = tmp_path / "termed"
+    cmd = [sys.executable, "-m", "regen", *args(base_model, run, "train.steps=12", "checkpoint.every=1",
+                                                  "checkpoint.keep_last=3")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    _wait_rows(run / "metrics.jsonl", 4, proc)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out
+    assert "finishing this step" in out and "run the same command to resume" in out
+    stopped = len(read_jsonl(run / "metrics.jsonl"))
+    assert stopped < 12 and (run / "checkpoints" / f"step_{stopped:08d}").is_dir()
+    assert main(args(base_model, run, "train.steps=12", "checkpoint.every=1", "checkpoint.keep_last=3")) == 0
+    same_run(reference_run, run)
+
+
+def test_corrupt_latest_checkpoint_falls_back_and_says_so(base_model, tmp_path, capsys):
+    run, straight = tmp_path / "run", tmp_path / "straight"
+    assert main(args(base_model, straight, "train.steps=6")) == 0
+    assert main(args(base_model, run, "train.steps=4", "checkpoint.every=2", "checkpoint.keep_last=3")) == 0
+    target = run / "checkpoints" / "step_00000004" / "model" / "model.safetensors"
+    data = bytearray(target.read_bytes())
+    data[-100] ^= 0xFF
+    target.write_bytes(bytes(data))
+    assert main(args(base_model, run, "train.steps=6")) == 0
+    out = capsys.readouterr()
+    assert "step_00000004" in out.err and "does not match its checksum" in out.err
+    assert "resuming from" in out.out and "step_00000002" in out.out
+    same_run(straight, run)
+
+
+class NaNAt:
+    """Wraps the GRPO loss: returns NaN on the given calls (1-based), the real loss otherwise."""
+
+    def __init__(self, real, calls):
+        self.real, self.calls, self.n = real, set(calls), 0
+
+    def __call__(self, *a, **kw):
+        self.n += 1
+        loss, m = self.real(*a, **kw)
+        return (loss * float("nan"), m) if self.n in self.calls else (loss, m)
+
+
+def test_single_nan_is_skipped(base_model, tmp_path, monkeypatch):
+    monkeypatch.setitem(regen.loop.POLICY_LOSSES, "grpo", NaNAt(regen.loop.POLICY_LOSSES["grpo"], {3}))
+    run = tmp_path / "nan1"
+    assert main(args(base_model, run, "train.steps=5")) == 0
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert [r["nonfinite_skipped"] for r in rows] == [0, 0, 1, 0, 0]
+    assert all(math.isfinite(v) for w in weights(run).values() for v in w.flatten()[:10].tolist())
+    kinds = [a["kind"] for a in read_jsonl(run / "alerts.jsonl")]
+    assert kinds == ["nonfinite"]
+
+
+def test_persistent_nan_rolls_back_lowers_lr_and_alerts(base_model, tmp_path, monkeypatch):
+    monkeypatch.setitem(regen.loop.POLICY_LOSSES, "grpo", NaNAt(regen.loop.POLICY_LOSSES["grpo"], {5, 6, 7}))
+    run = tmp_path / "nan3"
+    assert main(args(base_model, run, "train.steps=9", "checkpoint.every=2", "checkpoint.keep_last=1",
+                     "health.rollback_after_nonfinite=3", "health.rollback_lr_factor=0.5")) == 0
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert [r["lr"] for r in rows] == [1e-3] * 7 + [5e-4] * 2
+    alerts = read_jsonl(run / "alerts.jsonl")
+    rollback = [a for a in alerts if a["kind"] == "rollback"]
+    assert len(rollback) == 1 and rollback[0]["step"] == 7 and "step_00000004" in rollback[0]["message"]
+    # steps 5-7 were unhealthy: the step-6 checkpoint is not a rollback target, step 4 was kept for it
+    state6 = json.loads((run / "checkpoints" / "step_00000009" / "state.json").read_text())
+    assert state6["health"]["lr_scale"] == 0.5 and state6["health"]["rollbacks"] == 1
+
+
+def test_disk_full_during_checkpoint_loses_nothing(base_model, tmp_path, monkeypatch):
+    real, calls = ckpt_mod.save_file, {"n": 0}
+
+    def flaky_save_file(tensors, path, *a, **kw):
+        if path.endswith("optimizer.safetensors"):
+            calls["n"] += 1
+            if calls["n"] == 2:  # the second checkpoint's write hits a full disk
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real(tensors, path, *a, **kw)
+
+    monkeypatch.setattr(ckpt_mod, "save_file", flaky_save_file)
+    run = tmp_path / "full"
+    assert main(args(base_model, run, "train.steps=6", "checkpoint.every=2", "checkpoint.keep_last=5")) == 0
+    names = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert names == ["step_00000002", "step_00000006"]  # step 4 failed, no partial folder left
+    for name in names:
+        ckpt_mod.verify(run / "checkpoints" / name)
+    failed = [a for a in read_jsonl(run / "alerts.jsonl") if a["kind"] == "checkpoint_failed"]
+    assert len(failed) == 1 and failed[0]["step"] == 4 and "No space left" in failed[0]["message"]
+
+
+def test_incompatible_config_change_refused_unless_forced(base_model, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(args(base_model, run, "train.steps=2")) == 0
+    assert main(args(base_model, run, "train.steps=4", "rollout.temperature=0.5")) == 2
+    err = capsys.readouterr().err
+    assert "rollout.temperature: 1.0 -> 0.5" in err and "--force" in err
+    assert main(args(base_model, run, "train.steps=4", "rollout.temperature=0.5", "--force")) == 0
+    assert len(read_jsonl(run / "metrics.jsonl")) == 4
+
+
+def test_checkpoint_version_manifest(base_model, tmp_path):
+    run = tmp_path / "run"
+    assert main(args(base_model, run, "train.steps=1")) == 0
+    v = json.loads((run / "checkpoints" / "step_00000001" / "state.json").read_text())["versions"]
+    assert v["regen"] and v["model"] == str(base_model) and v["rewards"] == {"exact_match": "1"}
+    assert len(v["config_hash"]) == 16 and "git_commit" in v
+
+
+def test_health_monitor_alerts_on_collapse_and_kl(tmp_path):
+    alerts = Alerts(tmp_path, echo=lambda m: None)
+    mon = HealthMonitor(HealthConfig(reward_collapse_z=4.0, kl_alert=0.5), alerts)
+    for step in range(1, 31):  # a steady reward around 0.5 +- 0.01
+        assert mon.observe(step, {"reward/mean": 0.5 + 0.01 * (-1) ** step, "kl": 0.01}) is False
+    mon.observe(31, {"reward/mean": 0.2, "kl": 0.01})  # 30 std below the running mean
+    mon.observe(32, {"reward/mean": 0.5, "kl": 2.0})
+    kinds = [(a["step"], a["kind"]) for a in read_jsonl(tmp_path / "alerts.jsonl")]
+    assert kinds == [(31, "reward_collapse"), (32, "kl_explosion")]
+    mon2 = HealthMonitor(HealthConfig(kl_alert=0.5, rollback_on_alert=True), alerts)
+    assert mon2.observe(1, {"reward/mean": 0.5, "kl": 2.0}) is True
+
+
+def test_alerts_reach_a_webhook(tmp_path):
+    got = []
+
+    class Hook(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            got.append(json.loads(self.rfile.read(int(self.headers["content-length"]))))
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Hook)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        alerts = Alerts(tmp_path, echo=lambda m: None, webhook_url=f"http://127.0.0.1:{server.server_port}/hook")
+        alerts.fire(7, "rollback", "rolled back", lr_scale=0.5)
+        alerts.flush()
+    finally:
+        server.shutdown()
+    assert got and got[0]["kind"] == "rollback" and got[0]["step"] == 7 and got[0]["lr_scale"] == 0.5
+
+
+def test_unwritable_run_dir_and_empty_prompts(base_model, tmp_path, capsys):
+    if os.geteuid() == 0:
+        blocked = tmp_path / "file"
+        blocked.write_text("x")  # root can write anywhere; a path through a file cannot be created
+        target = blocked / "run"
+    else:
+        target = tmp_path / "ro" / "run"
+        (tmp_path / "ro").mkdir(mode=0o500)
+    assert main(args(base_model, target, "train.steps=1")) == 2
+    assert "run.dir: cannot create" in capsys.readouterr().err
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    assert main(args(base_model, tmp_path / "r2", f"data.train={empty}")) == 2
+    assert "holds no rows" in capsys.readouterr().err
