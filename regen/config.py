@@ -138,6 +138,16 @@ class CheckpointConfig(Section):
     keep_last: int = Field(2, ge=1, description="Checkpoints kept; older ones are deleted after a new one is complete.")
 
 
+class MirrorConfig(Section):
+    url: str | None = Field(
+        None, description="Mirror checkpoints to S3-compatible storage, 's3://bucket/prefix' (uploaded in the "
+        "background, verified by checksum); a run without local checkpoints resumes from there. Credentials "
+        "come from the standard AWS chain (environment, profile), never from this file."
+    )
+    endpoint_url: str | None = Field(None, description="Endpoint of an S3-compatible server (MinIO...); null = AWS.")
+    keep_last: int = Field(3, ge=1, description="Complete checkpoints kept in the bucket.")
+
+
 class HealthConfig(Section):
     missing_alert_frac: float = Field(
         0.2, ge=0.0, le=1.0, description="Alert when more than this fraction of a step's rewards is missing."
@@ -193,10 +203,14 @@ class RLConfig(Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
+    mirror: MirrorConfig = Field(default_factory=MirrorConfig)
     log: LogConfig = Field(default_factory=LogConfig)
 
     @model_validator(mode="after")
     def _sizes(self) -> "RLConfig":
+        if self.mirror.url and self.checkpoint.keep_last < 2:
+            raise ValueError("checkpoint.keep_last must be at least 2 with mirror.url: the newest local "
+                             "checkpoint may still be uploading when the next one is written")
         r, t = self.rollout, self.train
         if r.group_size < 2:
             raise ValueError(f"rollout.group_size={r.group_size}: group-relative advantages need at least 2 per group")

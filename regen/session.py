@@ -38,6 +38,7 @@ class Session:
     health: HealthMonitor
     start_step: int
     saved_reward_versions: dict | None  # from the checkpoint resumed, to warn when they changed
+    mirror: object | None = None  # S3Mirror when mirror.url is set
 
     @classmethod
     def start(cls, cfg: RLConfig, resume: bool = False, force: bool = False) -> "Session":
@@ -51,6 +52,11 @@ class Session:
         run_dir, resume = prepare(cfg.run.dir, cfg.run.overwrite, resume)
         setup_torch(cfg.run.threads, cfg.run.seed)
         alerts = Alerts(run_dir, webhook_url=cfg.health.webhook_url)
+        mirror = _open_mirror(cfg, alerts)
+        if mirror is not None and not resume and mirror.list_complete():
+            # nothing here but checkpoints in the bucket: continue from the newest valid one
+            if mirror.download_latest(run_dir / "checkpoints") is not None:
+                resume = True
 
         state = ckpt.load_latest(run_dir, warn=lambda m: alerts.fire(-1, "checkpoint_skipped", m)) if resume else None
         if state is not None:
@@ -78,7 +84,7 @@ class Session:
         dump_config(cfg, run_dir / "config.yaml")
         return cls(cfg, run_dir, policy, opt, data, gen, reward, prompts, eval_items,
                    MetricsLogger(run_dir, cfg.log.tensorboard), alerts, health, start_step,
-                   state["state"].get("reward_versions") if state else None)
+                   state["state"].get("reward_versions") if state else None, mirror)
 
     def save(self, step: int) -> Path | None:
         """Write a checkpoint; a failed write (disk full...) raises an alert and returns None:
@@ -97,6 +103,8 @@ class Session:
             self.alerts.fire(step, "checkpoint_failed", f"checkpoint at step {step} not written: {e.strerror or e}")
             return None
         self.health.checkpointed()
+        if self.mirror is not None:
+            self.mirror.submit(folder)  # background upload; failures become alerts
         return folder
 
     def rollback(self, step: int) -> None:
@@ -121,4 +129,23 @@ class Session:
 
     def close(self) -> None:
         self.log.close()
+        if self.mirror is not None:
+            self.mirror.close()  # waits for the uploads still in flight
         self.alerts.flush()
+
+
+def _open_mirror(cfg: RLConfig, alerts: Alerts):
+    """The S3 mirror, checked at start so a wrong bucket or missing credentials is one clear
+    error now instead of failed uploads later."""
+    if not cfg.mirror.url:
+        return None
+    from regen.runtime.mirror import S3Mirror
+
+    mirror = S3Mirror(cfg.mirror.url, endpoint_url=cfg.mirror.endpoint_url, keep_last=cfg.mirror.keep_last,
+                      on_event=lambda kind, message, **data: alerts.fire(data.pop("step", -1), kind, message, **data)
+                      if kind != "mirror_uploaded" else None)
+    try:
+        mirror.list_complete()
+    except Exception as e:  # botocore raises many types; all mean the same thing here
+        raise UserError(f"mirror.url: cannot list '{cfg.mirror.url}': {type(e).__name__}: {e}") from None
+    return mirror

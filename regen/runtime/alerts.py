@@ -16,10 +16,11 @@ class Alerts:
         self.echo = echo or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.webhook_url, self.timeout_s = webhook_url, timeout_s
         self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()  # fired from the loop and from background uploads
 
     def fire(self, step: int, kind: str, message: str, **data) -> None:
         row = {"time": time.time(), "step": step, "kind": kind, "message": message, **data}
-        with self.path.open("a", encoding="utf-8") as f:
+        with self._lock, self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
         self.echo(f"ALERT [{kind}] step {step}: {message}")
         if self.webhook_url:
