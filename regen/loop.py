@@ -206,12 +206,14 @@ def train(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
         if run.eval_items and not summary["stopped_early"]:
             summary["eval_after"] = run_eval(policy, run.eval_items, cfg, reward)
             run.log.log(step, summary["eval_after"])
-    run.close()
     scorer.shutdown()
     summary["export"] = str(run.run_dir / "export")
     if not summary["stopped_early"]:
         policy.save_pretrained(run.run_dir / "export")
-    else:
+        if run.mirror is not None:
+            run.mirror.submit_export(run.run_dir / "export")
+    run.close()  # waits for mirror uploads still in flight
+    if summary["stopped_early"]:
         print(f"stopped at step {step}: checkpoint {summary['checkpoint']}; run the same command to resume")
     return summary
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -264,13 +265,18 @@ def test_training_run_resumes_exactly_from_the_bucket(base_model, s3, endpoint, 
     straight, lost = tmp_path / "straight", tmp_path / "lost"
     assert main([*common, f"run.dir={straight}", "train.steps=6"]) == 0
     assert main([*common, f"run.dir={lost}", "train.steps=4", "checkpoint.every=2", *mirror]) == 0
-    assert {k.split("/")[3] for k in _keys(s3)} == {"step_00000002", "step_00000004"}
+    ckpts = {k.split("/")[3] for k in _keys(s3) if k.startswith("runs/a/checkpoints/")}
+    assert ckpts == {"step_00000002", "step_00000004"}
     shutil.rmtree(lost)  # the machine is gone; only the bucket remains
     assert main([*common, f"run.dir={lost}", "train.steps=6", *mirror]) == 0
     wa = load_file(str(straight / "export" / "model.safetensors"))
     wb = load_file(str(lost / "export" / "model.safetensors"))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert [r["step"] for r in read_jsonl(lost / "metrics.jsonl")] == [5, 6]  # continued after step 4
+    exported = s3.get_object(Bucket=s3.bucket, Key="runs/a/export/model.safetensors")["Body"].read()
+    assert exported == (lost / "export" / "model.safetensors").read_bytes()
+    assert "config.json" in json.loads(s3.get_object(Bucket=s3.bucket, Key="runs/a/export/manifest.json")
+                                       ["Body"].read())["sha256"]
 
 
 def test_unreachable_bucket_is_one_clear_error(base_model, s3, endpoint, tmp_path, capsys):

@@ -109,6 +109,29 @@ class S3Mirror:
                       name=name, bytes=size, seconds=round(time.time() - t0, 3))
         self._retain()
 
+    def submit_export(self, folder: Path) -> cf.Future:
+        """Upload an exported model folder to prefix/export/ in the background, each file
+        verified by reading it back; a manifest.json (sha256 of every file) goes up last."""
+        return self._pool.submit(self._export_reporting, Path(folder))
+
+    def _export_reporting(self, folder: Path) -> None:
+        base = self.root.rsplit("checkpoints", 1)[0] + "export"
+        try:
+            digests = {}
+            for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+                rel = path.relative_to(folder).as_posix()
+                digests[rel] = _sha256_stream(_file_chunks(path))
+                self._put(path, f"{base}/{rel}", digests[rel])
+                obj = self._s3.get_object(Bucket=self.bucket, Key=f"{base}/{rel}")
+                if _sha256_stream(obj["Body"].iter_chunks(1 << 20)) != digests[rel]:
+                    raise UserError(f"mirror: export file '{rel}' in the bucket does not match its checksum")
+            self._s3.put_object(Bucket=self.bucket, Key=f"{base}/{MANIFEST}",
+                                Body=json.dumps({"sha256": digests}, indent=1).encode())
+        except Exception as e:
+            self.on_event("mirror_failed", f"mirror: uploading the export to {self.url} failed: "
+                          f"{type(e).__name__}: {e}", name="export")
+            raise
+
     def _put(self, path: Path, key: str, digest: str) -> None:
         # upload_file does multipart and retries for big weight files; the digest rides along as metadata
         self._s3.upload_file(str(path), self.bucket, key, ExtraArgs={"Metadata": {"sha256": digest}})
