@@ -307,4 +307,7 @@ def cmd_serve_reward(args) -> int:
     return 0
 
 
-VERBS = {"train": cmd_train, "serve-reward": cmd_serve_reward, "sft": cmd_sft, "eval": cmd_eval, "export": cmd_export, "rewards": cmd_rewards}
+VERBS = {
+    "train": cmd_train, "sft": cmd_sft, "eval": cmd_eval, "export": cmd_export,
+    "serve-reward": cmd_serve_reward, "rewards": cmd_rewards,
+}

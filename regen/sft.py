@@ -46,7 +46,8 @@ def encode_demos(demos: list[Demo], tok, max_len: int) -> tuple[torch.Tensor, to
 def sft(cfg: SFTConfig, resume: bool = False) -> dict:
     device = resolve_device(cfg.run.device)
     demos = load_demos(cfg.data.train, cfg.task, "data.train", cfg.data.on_bad_line == "skip")
-    eval_items = load_prompts(cfg.data.eval, cfg.task, "data.eval", cfg.data.on_bad_line == "skip") if cfg.data.eval else []
+    skip_bad = cfg.data.on_bad_line == "skip"
+    eval_items = load_prompts(cfg.data.eval, cfg.task, "data.eval", skip_bad) if cfg.data.eval else []
     run_dir, resume = prepare(cfg.run.dir, cfg.run.overwrite, resume)
     setup_torch(cfg.run.threads, cfg.run.seed)
     state = ckpt.load_latest(run_dir) if resume else None
@@ -95,7 +96,8 @@ def sft(cfg: SFTConfig, resume: bool = False) -> dict:
                 metrics.update(run_eval(policy, eval_items, cfg, None))
                 policy.model.train()
             log.log(step, metrics)
-            bar.update(step, f"loss {metrics['loss']:.3f}  {s.global_batch_size * (step - start_step) / (time.perf_counter() - t_start):.0f} samples/s")
+            rate = s.global_batch_size * (step - start_step) / (time.perf_counter() - t_start)
+            bar.update(step, f"loss {metrics['loss']:.3f}  {rate:.0f} samples/s")
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != s.steps:
                 save(step)
         last = save(s.steps)
