@@ -76,17 +76,38 @@ class RolloutConfig(Section):
     max_new_tokens: int = Field(8, ge=1, description="Completion length cap in tokens (EOS included).")
 
 
+class OverlongConfig(Section):
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), added to the reward."""
+
+    max_len: int = Field(ge=1, description="L_max in tokens: beyond it the penalty is -factor.")
+    cache_len: int = Field(ge=1, description="L_cache: the penalty ramps from 0 to -factor over the last cache_len tokens.")
+    factor: float = Field(1.0, ge=0.0, description="Size of the full penalty.")
+
+
 class AlgorithmConfig(Section):
-    name: Literal["grpo"] = Field("grpo", description="Policy-gradient algorithm.")
-    advantage: Literal["grpo"] = Field("grpo", description="Advantage estimator (group-relative).")
-    std_normalize: bool = Field(True, description="Divide group-centred rewards by the group std (GRPO).")
-    clip_low: float = Field(0.2, gt=0.0, lt=1.0, description="PPO ratio clip below: 1 - clip_low.")
-    clip_high: float = Field(0.2, gt=0.0, description="PPO ratio clip above: 1 + clip_high (0.28 = DAPO clip-higher).")
+    name: Literal["grpo", "gspo"] = Field(
+        "grpo", description="Policy loss: 'grpo' (token-level clipped ratio; with clip_high 0.28 and overlong, DAPO) "
+        "or 'gspo' (sequence-level length-normalised ratio, Zheng 2025; use clip ranges like 3e-4 / 4e-4)."
+    )
+    advantage: Literal["grpo", "rloo", "reinforce_pp"] = Field(
+        "grpo", description="Advantage estimator: group-relative (GRPO / Dr.GRPO with std_normalize=false), "
+        "leave-one-out (RLOO), or batch-whitened REINFORCE++."
+    )
+    std_normalize: bool = Field(True, description="GRPO: divide group-centred rewards by the group std.")
+    reinforce_baseline: bool = Field(False, description="REINFORCE++: subtract the group mean before whitening.")
+    clip_low: float = Field(0.2, gt=0.0, lt=1.0, description="Ratio clip below: 1 - clip_low.")
+    clip_high: float = Field(0.2, gt=0.0, description="Ratio clip above: 1 + clip_high (0.28 = DAPO clip-higher).")
+    dual_clip: float | None = Field(
+        None, gt=1.0, description="Dual-clip constant c for negative advantages (Ye 2020; 3.0 is usual); null = off."
+    )
+    entropy_coef: float = Field(0.0, ge=0.0, description="Weight of the entropy bonus (0 = off).")
     kl_coef: float = Field(0.0, ge=0.0, description="Weight of the KL-to-reference loss; 0 loads no reference model.")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Schulman's KL estimator used in the loss.")
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = Field(
-        "token-mean", description="How per-token losses are reduced to one number."
+        "token-mean", description="How per-token losses are reduced ('seq-mean-token-sum-norm' divides by "
+        "rollout.max_new_tokens: Dr.GRPO)."
     )
+    overlong: OverlongConfig | None = Field(None, description="DAPO soft overlong punishment; null = off.")
 
 
 class TrainConfig(Section):
@@ -223,6 +244,10 @@ class RLConfig(Section):
             )
         if not self.reward:
             raise ValueError("reward: at least one reward term is needed")
+        o = self.algorithm.overlong
+        if o is not None and (o.cache_len > o.max_len or o.max_len > r.max_new_tokens):
+            raise ValueError(f"algorithm.overlong: need cache_len ({o.cache_len}) <= max_len ({o.max_len}) <= "
+                             f"rollout.max_new_tokens ({r.max_new_tokens})")
         return self
 
     @property

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from regen.algorithms import ADVANTAGES, POLICY_LOSSES
+from regen.algorithms import ADVANTAGES, POLICY_LOSSES, overlong_penalty
 from regen.config import RLConfig
 from regen.errors import RunStopped, UserError
 from regen.evaluate import fmt_eval, run_eval
@@ -64,7 +64,8 @@ def update(
         order = torch.arange(B) if single_pass else _shuffle_groups(B, share, gen)
         for idx in order.split(mb):
             sub = batch.select(idx)
-            logp, entropy = policy.token_logprobs(sub, temp, with_entropy=True, group_size=share)
+            logp, entropy = policy.token_logprobs(sub, temp, with_entropy=True, group_size=share,
+                                                  entropy_grad=a.entropy_coef > 0)
             loss, m = loss_fn(
                 logp,
                 logp.detach() if old_logp is None else old_logp[idx],
@@ -77,6 +78,9 @@ def update(
                 kl_estimator=a.kl_estimator,
                 agg=a.loss_agg,
                 norm=float(cfg.rollout.max_new_tokens),
+                dual_clip=a.dual_clip,
+                entropy=entropy,
+                entropy_coef=a.entropy_coef,
             )
             opt.zero_grad(set_to_none=True)
             if not torch.isfinite(loss):
@@ -90,7 +94,7 @@ def update(
                 continue
             opt.step()
             m["grad_norm"] = grad_norm
-            m["entropy"] = (entropy * sub.response_mask).sum() / sub.response_mask.sum().clamp(min=1)
+            m["entropy"] = (entropy.detach() * sub.response_mask).sum() / sub.response_mask.sum().clamp(min=1)
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
             n_steps += 1
@@ -147,10 +151,17 @@ def train(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
             t_wait = time.perf_counter()
             total, parts = scoring.result()
             rewards = torch.tensor(total, dtype=torch.float32)
+            if cfg.algorithm.overlong is not None:  # DAPO: shape the reward of too-long answers
+                o = cfg.algorithm.overlong
+                penalty = overlong_penalty(batch.response_mask.sum(1).cpu(), o.max_len, o.cache_len, o.factor)
+                rewards = rewards + penalty  # NaN (missing) stays missing
+                parts["overlong_penalty"] = penalty.tolist()
             t2 = time.perf_counter()
 
             # 3. advantage: group-relative; missing rewards and degenerate groups get no gradient
-            adv, valid, adv_m = ADVANTAGES[cfg.algorithm.advantage](rewards, n, cfg.algorithm.std_normalize)
+            a = cfg.algorithm
+            adv, valid, adv_m = ADVANTAGES[a.advantage](
+                rewards, n, std_normalize=a.std_normalize, baseline=a.reinforce_baseline)
             mask = batch.response_mask * valid.to(batch.response_mask.dtype).unsqueeze(1).to(policy.device)
             adv = adv.to(policy.device)
             missing = float(adv_m["missing_frac"])

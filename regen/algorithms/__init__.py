@@ -4,9 +4,15 @@ Nothing here imports anything but torch, so every function can be checked agains
 derived by hand from its paper. Registries map config names to functions.
 """
 
-from regen.algorithms.advantages import ADVANTAGES, grpo_advantages
+from regen.algorithms.advantages import (
+    ADVANTAGES,
+    grpo_advantages,
+    overlong_penalty,
+    reinforce_pp_advantages,
+    rloo_advantages,
+)
 from regen.algorithms.kl import kl_penalty
-from regen.algorithms.losses import POLICY_LOSSES, aggregate, grpo_loss, ppo_clip_loss
+from regen.algorithms.losses import POLICY_LOSSES, aggregate, grpo_loss, gspo_loss, ppo_clip_loss
 
 __all__ = [
     "ADVANTAGES",
@@ -14,6 +20,10 @@ __all__ = [
     "aggregate",
     "grpo_advantages",
     "grpo_loss",
+    "gspo_loss",
+    "overlong_penalty",
+    "reinforce_pp_advantages",
+    "rloo_advantages",
     "kl_penalty",
     "ppo_clip_loss",
 ]

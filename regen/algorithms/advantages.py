@@ -6,7 +6,7 @@ import torch
 
 
 def grpo_advantages(
-    rewards: torch.Tensor, group_size: int, std_normalize: bool = True, eps: float = 1e-6
+    rewards: torch.Tensor, group_size: int, std_normalize: bool = True, eps: float = 1e-6, **_: object
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Group-relative advantage (GRPO, Shao et al. 2024, §4.1.2).
 
@@ -52,3 +52,70 @@ def grpo_advantages(
 
 
 ADVANTAGES = {"grpo": grpo_advantages}
+
+
+def rloo_advantages(
+    rewards: torch.Tensor, group_size: int, **_: object
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """REINFORCE leave-one-out (RLOO, Ahmadian et al. 2024, eq. 4 / Kool et al. 2019):
+
+        A_i = R_i - (sum_{j != i} R_j) / (G - 1)
+
+    over the G valid (non-NaN) rewards of the group; missing rewards and groups with fewer
+    than two valid rewards are handled as in `grpo_advantages`. Equivalently
+    A_i = G / (G - 1) * (R_i - mean_g R).
+    """
+    centred, valid, metrics = grpo_advantages(rewards, group_size, std_normalize=False)
+    count = valid.view(-1, group_size).sum(1, keepdim=True).clamp(min=2).to(centred.dtype)
+    adv = (centred.view(-1, group_size) * count / (count - 1)).view(-1)
+    return adv, valid, metrics
+
+
+def reinforce_pp_advantages(
+    rewards: torch.Tensor, group_size: int, baseline: bool = False, eps: float = 1e-6, **_: object
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """REINFORCE++ with outcome rewards (Hu 2025): advantages whitened over the whole batch,
+
+        A_i = (R_i - mean_batch R) / (std_batch R + eps)                 (baseline=False)
+        A_i = (R'_i - mean_batch R') / (std_batch R' + eps),  R'_i = R_i - mean_g R   (baseline=True)
+
+    mean/std over all valid samples of the batch (unbiased std). The paper also shapes
+    token rewards with a k1 KL penalty; here the KL is the loss term (algorithm.kl_coef),
+    a deliberate simplification. Missing rewards get no advantage; with baseline=True groups
+    with fewer than two valid rewards are dropped, as in GRPO.
+    """
+    if baseline:
+        base, valid, metrics = grpo_advantages(rewards, group_size, std_normalize=False)
+    else:
+        present = torch.isfinite(rewards)
+        base = torch.where(present, rewards, torch.zeros_like(rewards))
+        _, _, metrics = grpo_advantages(rewards, group_size, std_normalize=False)
+        valid = present
+    n = valid.sum()
+    if n < 2:
+        return torch.zeros_like(base), valid & False, metrics
+    v = base[valid].to(torch.float64)
+    adv = (base.to(torch.float64) - v.mean()) / (v.std() + eps)
+    adv = torch.where(valid, adv, torch.zeros_like(adv)).to(rewards.dtype)
+    return adv, valid, metrics
+
+
+def overlong_penalty(lengths: torch.Tensor, max_len: int, cache_len: int, factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), added to the reward:
+
+        0                                      if |y| <= L_max - L_cache
+        ((L_max - L_cache) - |y|) / L_cache * f   if L_max - L_cache < |y| <= L_max
+        -f                                     if |y| > L_max
+
+    lengths: (B,) response lengths in tokens. Returns (B,) penalties (<= 0).
+    """
+    if not 0 < cache_len <= max_len:
+        raise ValueError(f"overlong: need 0 < cache_len ({cache_len}) <= max_len ({max_len})")
+    lengths = lengths.to(torch.float32)
+    soft = (max_len - cache_len - lengths) / cache_len * factor
+    out = torch.where(lengths <= max_len - cache_len, torch.zeros_like(lengths), soft)
+    return torch.where(lengths > max_len, torch.full_like(lengths, -factor), out)
+
+
+ADVANTAGES["rloo"] = rloo_advantages
+ADVANTAGES["reinforce_pp"] = reinforce_pp_advantages

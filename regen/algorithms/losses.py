@@ -51,11 +51,15 @@ def ppo_clip_loss(
     clip_high: float = 0.2,
     agg: str = "token-mean",
     norm: float | None = None,
+    dual_clip: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate (Schulman et al. 2017, eq. 7) with asymmetric clip (DAPO, Yu 2025):
 
         rho = exp(logp - old_logp)       (log-ratio clamped to ±20 before exp)
         L_t = max(-A * rho, -A * clip(rho, 1 - clip_low, 1 + clip_high))
+
+    dual_clip = c > 1 (Ye et al. 2020, eq. 5) bounds the loss of negative advantages, whose
+    ratio is otherwise unbounded above: for A < 0, L_t = min(L_t, -c * A).
 
     logp, old_logp, mask: (B, T); adv: (B,) broadcast over T, or (B, T).
     Returns (aggregated loss, metrics): clip_frac is the fraction of valid tokens where the
@@ -68,6 +72,10 @@ def ppo_clip_loss(
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(unclipped, clipped)
+    if dual_clip is not None:
+        if dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+        per_token = torch.where(adv < 0, torch.minimum(per_token, -dual_clip * adv), per_token)
     loss = aggregate(per_token, mask, agg, norm)
     with torch.no_grad():
         m = mask.to(logp.dtype)
@@ -92,15 +100,20 @@ def grpo_loss(
     kl_estimator: str = "k3",
     agg: str = "token-mean",
     norm: float | None = None,
+    dual_clip: float | None = None,
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO objective (Shao et al. 2024, eq. 3), as a loss to minimise:
 
         L = agg( max(-A*rho, -A*clip(rho, 1-eps_low, 1+eps_high)) ) + beta * agg( KL_t )
+            - entropy_coef * agg( H_t )
 
     with KL_t one of Schulman's estimators of KL(pi || pi_ref) (k3 in the paper) and the
-    same aggregation for both terms. ref_logp is required when kl_coef > 0.
+    same aggregation for all terms. ref_logp is required when kl_coef > 0, `entropy` (B, T),
+    with its gradient, when entropy_coef > 0 (the optional entropy bonus of PPO, eq. 9).
     """
-    loss, metrics = ppo_clip_loss(logp, old_logp, adv, mask, clip_low, clip_high, agg, norm)
+    loss, metrics = ppo_clip_loss(logp, old_logp, adv, mask, clip_low, clip_high, agg, norm, dual_clip)
     if ref_logp is not None:
         kl = aggregate(kl_penalty(logp, ref_logp, kl_estimator), mask, agg, norm)
         metrics["kl"] = kl.detach()
@@ -108,8 +121,66 @@ def grpo_loss(
             loss = loss + kl_coef * kl
     elif kl_coef > 0:
         raise ValueError("grpo_loss: kl_coef > 0 needs ref_logp")
+    if entropy_coef > 0:
+        if entropy is None:
+            raise ValueError("grpo_loss: entropy_coef > 0 needs the per-token entropy")
+        loss = loss - entropy_coef * aggregate(entropy, mask, agg, norm)
     metrics["loss"] = loss.detach()
     return loss, metrics
 
 
-POLICY_LOSSES = {"grpo": grpo_loss}
+def gspo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    ref_logp: torch.Tensor | None = None,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    agg: str = "seq-mean-token-mean",
+    norm: float | None = None,
+    **_: object,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO (Zheng et al. 2025, eqs. 5-7): one importance ratio per sequence, length-normalised,
+
+        s_i = exp( (1/|y_i|) * sum_t (logp_t - old_logp_t) )
+        L   = mean_i  max(-A_i * s_i, -A_i * clip(s_i, 1 - eps_low, 1 + eps_high))
+
+    adv: (B,) (or (B, T), of which position 0 is used). Sequences without valid tokens are
+    left out. Ranges are tiny (3e-4 / 4e-4 in the paper) because s_i is a geometric mean.
+    An optional KL term uses `agg` over tokens as in grpo_loss.
+    """
+    if adv.dim() == 2:
+        adv = adv[:, 0]
+    m = mask.to(logp.dtype)
+    lengths = m.sum(-1)
+    has = lengths > 0
+    log_ratio = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # for the metric only
+    log_s = ((logp - old_logp) * m).sum(-1) / lengths.clamp(min=1)
+    s = torch.exp(log_s.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    unclipped = -adv * s
+    clipped = -adv * s.clamp(1.0 - clip_low, 1.0 + clip_high)
+    per_seq = torch.maximum(unclipped, clipped)
+    loss = (per_seq * has).sum() / has.sum().clamp(min=1)
+    with torch.no_grad():
+        hf = has.to(logp.dtype)
+        metrics = {
+            "pg_loss": loss.detach(),
+            "clip_frac": ((clipped > unclipped).to(logp.dtype) * hf).sum() / hf.sum().clamp(min=1),
+            "ratio_mean": (s * hf).sum() / hf.sum().clamp(min=1),
+            "approx_kl": masked_mean(torch.exp(-log_ratio) - 1.0 + log_ratio, m),
+        }
+    if ref_logp is not None:
+        kl = aggregate(kl_penalty(logp, ref_logp, kl_estimator), mask, agg, norm)
+        metrics["kl"] = kl.detach()
+        if kl_coef > 0:
+            loss = loss + kl_coef * kl
+    elif kl_coef > 0:
+        raise ValueError("gspo_loss: kl_coef > 0 needs ref_logp")
+    metrics["loss"] = loss.detach()
+    return loss, metrics
+
+
+POLICY_LOSSES = {"grpo": grpo_loss, "gspo": gspo_loss}

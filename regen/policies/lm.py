@@ -185,6 +185,7 @@ class LMPolicy:
         use_ref: bool = False,
         with_entropy: bool = False,
         group_size: int = 1,
+        entropy_grad: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (B, T) of the sampled response tokens under logits / temperature (the
         distribution they were sampled from), and optionally the per-token entropy (B, T).
@@ -204,8 +205,8 @@ class LMPolicy:
         logp_all = F.log_softmax(logits.float() / temperature, -1)
         logp = logp_all.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)
         entropy = None
-        if with_entropy:
-            with torch.no_grad():
+        if with_entropy:  # with its gradient only when an entropy bonus needs it
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                 entropy = -(logp_all.exp() * logp_all).sum(-1)
         return logp, entropy
 
