@@ -116,6 +116,10 @@ class TrainConfig(Section):
     global_minibatch_size: int | None = Field(
         None, ge=1, description="Completions per optimizer step, over all processes; null = the whole rollout batch."
     )
+    micro_batch_size: int | None = Field(
+        None, ge=1, description="Completions per forward/backward on one device; gradients are accumulated "
+        "up to the minibatch (same loss, bounded memory). null = the whole minibatch."
+    )
     grad_clip: float = Field(1.0, ge=0.0, description="Max global gradient norm; 0 disables clipping.")
 
 
@@ -242,6 +246,9 @@ class RLConfig(Section):
                 f"train.global_minibatch_size={t.global_minibatch_size} must divide "
                 f"rollout.global_batch_size={r.global_batch_size}"
             )
+        if t.micro_batch_size is not None and t.global_minibatch_size % t.micro_batch_size:
+            raise ValueError(f"train.micro_batch_size={t.micro_batch_size} must divide "
+                             f"train.global_minibatch_size={t.global_minibatch_size}")
         if not self.reward:
             raise ValueError("reward: at least one reward term is needed")
         o = self.algorithm.overlong

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from regen.algorithms import ADVANTAGES, POLICY_LOSSES, overlong_penalty
+from regen.algorithms.losses import batch_denominators
 from regen.config import RLConfig
 from regen.errors import RunStopped, UserError
 from regen.evaluate import fmt_eval, run_eval
@@ -52,10 +53,13 @@ def update(
     policy: LMPolicy, opt, batch: LMRollout, adv: torch.Tensor, mask: torch.Tensor, old_logp, ref_logp,
     cfg: RLConfig, gen,
 ) -> dict[str, float]:
-    """ppo_epochs passes over the batch in minibatches, one optimizer step per minibatch."""
+    """ppo_epochs passes over the batch in minibatches, one optimizer step per minibatch;
+    each minibatch's gradient is accumulated over micro-batches, so memory is bounded by the
+    micro-batch while the loss is exactly the minibatch's (same denominators, see aggregate)."""
     a, t = cfg.algorithm, cfg.train
     temp, B = cfg.rollout.temperature, mask.shape[0]
     mb, share, single_pass = _minibatching(cfg)
+    micro = t.micro_batch_size or mb
     loss_fn = POLICY_LOSSES[a.name]
     sums: dict[str, float] = {}
     n_steps = skipped = 0
@@ -63,40 +67,50 @@ def update(
     for _ in range(t.ppo_epochs):
         order = torch.arange(B) if single_pass else _shuffle_groups(B, share, gen)
         for idx in order.split(mb):
-            sub = batch.select(idx)
-            logp, entropy = policy.token_logprobs(sub, temp, with_entropy=True, group_size=share,
-                                                  entropy_grad=a.entropy_coef > 0)
-            loss, m = loss_fn(
-                logp,
-                logp.detach() if old_logp is None else old_logp[idx],
-                adv[idx],
-                mask[idx],
-                ref_logp=None if ref_logp is None else ref_logp[idx],
-                clip_low=a.clip_low,
-                clip_high=a.clip_high,
-                kl_coef=a.kl_coef,
-                kl_estimator=a.kl_estimator,
-                agg=a.loss_agg,
-                norm=float(cfg.rollout.max_new_tokens),
-                dual_clip=a.dual_clip,
-                entropy=entropy,
-                entropy_coef=a.entropy_coef,
-            )
+            denoms = batch_denominators(mask[idx])
             opt.zero_grad(set_to_none=True)
-            if not torch.isfinite(loss):
-                skipped += 1  # a non-finite loss would poison the weights: skip this step
-                continue
-            loss.backward()
+            step_m: dict[str, float] = {}
+            finite = True
+            for part in idx.split(micro):
+                sub = batch.select(part)
+                logp, entropy = policy.token_logprobs(sub, temp, with_entropy=True,
+                                                      group_size=share if micro % share == 0 else 1,
+                                                      entropy_grad=a.entropy_coef > 0)
+                loss, m = loss_fn(
+                    logp,
+                    logp.detach() if old_logp is None else old_logp[part],
+                    adv[part],
+                    mask[part],
+                    ref_logp=None if ref_logp is None else ref_logp[part],
+                    clip_low=a.clip_low,
+                    clip_high=a.clip_high,
+                    kl_coef=a.kl_coef,
+                    kl_estimator=a.kl_estimator,
+                    agg=a.loss_agg,
+                    norm=float(cfg.rollout.max_new_tokens),
+                    dual_clip=a.dual_clip,
+                    entropy=entropy,
+                    entropy_coef=a.entropy_coef,
+                    denoms=denoms,
+                )
+                if not torch.isfinite(loss):
+                    finite = False  # a non-finite loss would poison the weights: skip this step
+                    break
+                loss.backward()
+                m["entropy"] = (entropy.detach() * sub.response_mask).sum() / sub.response_mask.sum().clamp(min=1)
+                share_of_rows = len(part) / len(idx)
+                for k, v in m.items():  # losses are already scaled to the minibatch: they add up
+                    w = 1.0 if k in ("loss", "pg_loss", "kl") else share_of_rows
+                    step_m[k] = step_m.get(k, 0.0) + w * float(v)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip if t.grad_clip > 0 else float("inf"))
-            if not torch.isfinite(grad_norm):
+            if not finite or not torch.isfinite(grad_norm):
                 skipped += 1
                 opt.zero_grad(set_to_none=True)
                 continue
             opt.step()
-            m["grad_norm"] = grad_norm
-            m["entropy"] = (entropy.detach() * sub.response_mask).sum() / sub.response_mask.sum().clamp(min=1)
-            for k, v in m.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
+            step_m["grad_norm"] = float(grad_norm)
+            for k, v in step_m.items():
+                sums[k] = sums.get(k, 0.0) + v
             n_steps += 1
     out = {k: v / max(n_steps, 1) for k, v in sums.items()}
     out["nonfinite_skipped"] = float(skipped)

@@ -13,7 +13,10 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
-def aggregate(x: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", norm: float | None = None) -> torch.Tensor:
+def aggregate(
+    x: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", norm: float | None = None,
+    denoms: dict[str, float] | None = None,
+) -> torch.Tensor:
     """Reduce per-token values x (B, T) over valid positions `mask` (B, T) to a scalar.
 
     token-mean               sum over all valid tokens / their count in the batch (DAPO)
@@ -22,10 +25,14 @@ def aggregate(x: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", nor
     seq-mean-token-sum-norm  sum over each sequence's tokens / `norm` (e.g. max length),
                              mean over sequences (Dr.GRPO, Liu 2025)
     Sequences without any valid token are left out of sequence means.
+
+    denoms: the whole batch's counts {"tokens", "seqs"} (see `batch_denominators`) when x is
+    one micro-batch of it: summing the micro-batch results then gives exactly the whole
+    batch's value, whatever the mode.
     """
     mask = mask.to(x.dtype)
     if mode == "token-mean":
-        return masked_mean(x, mask)
+        return masked_mean(x, mask) if denoms is None else (x * mask).sum() / max(denoms["tokens"], 1.0)
     per_seq_sum = (x * mask).sum(-1)
     lengths = mask.sum(-1)
     has = lengths > 0
@@ -39,7 +46,13 @@ def aggregate(x: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", nor
         per_seq = per_seq_sum / norm
     else:
         raise ValueError(f"unknown loss aggregation '{mode}'")
-    return (per_seq * has).sum() / has.sum().clamp(min=1)
+    return (per_seq * has).sum() / (has.sum().clamp(min=1) if denoms is None else max(denoms["seqs"], 1.0))
+
+
+def batch_denominators(mask: torch.Tensor) -> dict[str, float]:
+    """The counts `aggregate` divides by for a whole batch: valid tokens, and sequences with at
+    least one valid token."""
+    return {"tokens": float(mask.sum()), "seqs": float((mask.sum(-1) > 0).sum())}
 
 
 def ppo_clip_loss(
@@ -52,6 +65,7 @@ def ppo_clip_loss(
     agg: str = "token-mean",
     norm: float | None = None,
     dual_clip: float | None = None,
+    denoms: dict[str, float] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate (Schulman et al. 2017, eq. 7) with asymmetric clip (DAPO, Yu 2025):
 
@@ -76,7 +90,7 @@ def ppo_clip_loss(
         if dual_clip <= 1.0:
             raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
         per_token = torch.where(adv < 0, torch.minimum(per_token, -dual_clip * adv), per_token)
-    loss = aggregate(per_token, mask, agg, norm)
+    loss = aggregate(per_token, mask, agg, norm, denoms)
     with torch.no_grad():
         m = mask.to(logp.dtype)
         metrics = {
@@ -103,6 +117,7 @@ def grpo_loss(
     dual_clip: float | None = None,
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
+    denoms: dict[str, float] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO objective (Shao et al. 2024, eq. 3), as a loss to minimise:
 
@@ -113,9 +128,9 @@ def grpo_loss(
     same aggregation for all terms. ref_logp is required when kl_coef > 0, `entropy` (B, T),
     with its gradient, when entropy_coef > 0 (the optional entropy bonus of PPO, eq. 9).
     """
-    loss, metrics = ppo_clip_loss(logp, old_logp, adv, mask, clip_low, clip_high, agg, norm, dual_clip)
+    loss, metrics = ppo_clip_loss(logp, old_logp, adv, mask, clip_low, clip_high, agg, norm, dual_clip, denoms)
     if ref_logp is not None:
-        kl = aggregate(kl_penalty(logp, ref_logp, kl_estimator), mask, agg, norm)
+        kl = aggregate(kl_penalty(logp, ref_logp, kl_estimator), mask, agg, norm, denoms)
         metrics["kl"] = kl.detach()
         if kl_coef > 0:
             loss = loss + kl_coef * kl
@@ -124,7 +139,7 @@ def grpo_loss(
     if entropy_coef > 0:
         if entropy is None:
             raise ValueError("grpo_loss: entropy_coef > 0 needs the per-token entropy")
-        loss = loss - entropy_coef * aggregate(entropy, mask, agg, norm)
+        loss = loss - entropy_coef * aggregate(entropy, mask, agg, norm, denoms)
     metrics["loss"] = loss.detach()
     return loss, metrics
 
@@ -141,6 +156,7 @@ def gspo_loss(
     kl_estimator: str = "k3",
     agg: str = "seq-mean-token-mean",
     norm: float | None = None,
+    denoms: dict[str, float] | None = None,
     **_: object,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO (Zheng et al. 2025, eqs. 5-7): one importance ratio per sequence, length-normalised,
@@ -163,7 +179,7 @@ def gspo_loss(
     unclipped = -adv * s
     clipped = -adv * s.clamp(1.0 - clip_low, 1.0 + clip_high)
     per_seq = torch.maximum(unclipped, clipped)
-    loss = (per_seq * has).sum() / has.sum().clamp(min=1)
+    loss = (per_seq * has).sum() / (has.sum().clamp(min=1) if denoms is None else max(denoms["seqs"], 1.0))
     with torch.no_grad():
         hf = has.to(logp.dtype)
         metrics = {
@@ -173,7 +189,7 @@ def gspo_loss(
             "approx_kl": masked_mean(torch.exp(-log_ratio) - 1.0 + log_ratio, m),
         }
     if ref_logp is not None:
-        kl = aggregate(kl_penalty(logp, ref_logp, kl_estimator), mask, agg, norm)
+        kl = aggregate(kl_penalty(logp, ref_logp, kl_estimator), mask, agg, norm, denoms)
         metrics["kl"] = kl.detach()
         if kl_coef > 0:
             loss = loss + kl_coef * kl
