@@ -203,7 +203,7 @@ def cmd_sft(args) -> int:
 
 def _print_summary(summary: dict) -> None:
     before, after = summary.get("eval_before") or {}, summary.get("eval_after") or {}
-    for key in ("eval/accuracy", "eval/greedy_accuracy", "eval/reward"):
+    for key in ("eval/accuracy", "eval/greedy_accuracy", "eval/reward", "eval/preference_accuracy"):
         if key not in after:
             continue
         name = "held-out " + key.removeprefix("eval/").replace("_", " ")

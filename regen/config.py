@@ -85,10 +85,14 @@ class OverlongConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    name: Literal["grpo", "gspo"] = Field(
-        "grpo", description="Policy loss: 'grpo' (token-level clipped ratio; with clip_high 0.28 and overlong, DAPO) "
-        "or 'gspo' (sequence-level length-normalised ratio, Zheng 2025; use clip ranges like 3e-4 / 4e-4)."
+    name: Literal["grpo", "gspo", "dpo"] = Field(
+        "grpo", description="Policy loss: 'grpo' (token-level clipped ratio; with clip_high 0.28 and overlong, DAPO), "
+        "'gspo' (sequence-level length-normalised ratio, Zheng 2025; use clip ranges like 3e-4 / 4e-4), or 'dpo' "
+        "(offline, on preference pairs from data.train; train.global_minibatch_size pairs per step)."
     )
+    dpo_beta: float = Field(0.1, gt=0.0, description="DPO/IPO beta.")
+    dpo_label_smoothing: float = Field(0.0, ge=0.0, lt=0.5, description="DPO conservative label smoothing.")
+    dpo_loss: Literal["sigmoid", "ipo"] = Field("sigmoid", description="DPO (sigmoid) or IPO (squared) loss.")
     advantage: Literal["grpo", "rloo", "reinforce_pp"] = Field(
         "grpo", description="Advantage estimator: group-relative (GRPO / Dr.GRPO with std_normalize=false), "
         "leave-one-out (RLOO), or batch-whitened REINFORCE++."
@@ -241,6 +245,8 @@ class RLConfig(Section):
             )
         if t.global_minibatch_size is None:
             t.global_minibatch_size = r.global_batch_size
+        if self.algorithm.name == "dpo":  # offline: pairs per step is train.global_minibatch_size, no rollout
+            return self
         if t.global_minibatch_size > r.global_batch_size or r.global_batch_size % t.global_minibatch_size:
             raise ValueError(
                 f"train.global_minibatch_size={t.global_minibatch_size} must divide "

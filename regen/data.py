@@ -25,6 +25,14 @@ class Demo:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class PrefPair:
+    prompt: str
+    chosen: str
+    rejected: str
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
 def _builtin(spec: str) -> tuple[str, str]:
     parts = spec.split(":")
     if len(parts) != 3 or parts[1] != "arithmetic" or parts[2] not in ("train", "test"):
@@ -134,3 +142,15 @@ class EpochSampler:
     def load_state(self, state: dict) -> None:
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
         self._perm = self._permutation(self.epoch)
+
+
+def load_pairs(spec: str, task, where: str, skip_bad: bool = False) -> list[PrefPair]:
+    """Preference pairs: JSONL rows with 'prompt', 'chosen', 'rejected', or the built-in
+    arithmetic pairs (chosen = the true sum, rejected = a wrong one)."""
+    if spec.startswith("builtin:"):
+        from regen.tasks import arithmetic
+
+        _, split = _builtin(spec)
+        return arithmetic.preference_pairs(split, task.digits, task.test_size)
+    rows = read_jsonl(spec, ("prompt", "chosen", "rejected"), where, skip_bad)
+    return [PrefPair(r.pop("prompt"), r.pop("chosen"), r.pop("rejected"), r) for r in rows]

@@ -124,6 +124,10 @@ def _shuffle_groups(B: int, n: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def train(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
+    if cfg.algorithm.name == "dpo":  # offline: no sampling, no reward; see regen/dpo.py
+        from regen.dpo import train_dpo
+
+        return train_dpo(cfg, resume, force)
     run = Session.start(cfg, resume, force)  # inputs checked, run dir ready, state restored
     policy, opt, data, gen, reward, alerts, health = (
         run.policy, run.opt, run.data, run.gen, run.reward, run.alerts, run.health)

@@ -12,12 +12,13 @@ from regen.algorithms.advantages import (
     rloo_advantages,
 )
 from regen.algorithms.kl import kl_penalty
-from regen.algorithms.losses import POLICY_LOSSES, aggregate, grpo_loss, gspo_loss, ppo_clip_loss
+from regen.algorithms.losses import POLICY_LOSSES, aggregate, dpo_loss, grpo_loss, gspo_loss, ppo_clip_loss
 
 __all__ = [
     "ADVANTAGES",
     "POLICY_LOSSES",
     "aggregate",
+    "dpo_loss",
     "grpo_advantages",
     "grpo_loss",
     "gspo_loss",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from regen.algorithms.kl import kl_penalty
 
@@ -200,3 +201,43 @@ def gspo_loss(
 
 
 POLICY_LOSSES = {"grpo": grpo_loss, "gspo": gspo_loss}
+
+
+def dpo_loss(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    beta: float = 0.1,
+    label_smoothing: float = 0.0,
+    kind: str = "sigmoid",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DPO (Rafailov et al. 2023, eq. 7) with conservative label smoothing, or IPO (Azar 2023, eq. 17).
+
+        h = (logpi(y_c) - logpi(y_r)) - (logpi_ref(y_c) - logpi_ref(y_r))     (sums over response tokens)
+        sigmoid: L = -(1 - ls) * log sigma(beta * h) - ls * log sigma(-beta * h)
+        ipo:     L = (h - 1 / (2 * beta))^2
+
+    All inputs (P,) summed log-probs of P preference pairs; loss is the mean over pairs.
+    Metrics: the implicit rewards beta * (logpi - logpi_ref) of chosen and rejected, their
+    margin, and reward accuracy (fraction of pairs whose chosen reward is higher).
+    """
+    h = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected)
+    if kind == "sigmoid":
+        losses = -(1.0 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+    elif kind == "ipo":
+        losses = (h - 1.0 / (2.0 * beta)).pow(2)
+    else:
+        raise ValueError(f"unknown DPO loss '{kind}' (known: sigmoid, ipo)")
+    with torch.no_grad():
+        rc = beta * (policy_chosen - ref_chosen)
+        rr = beta * (policy_rejected - ref_rejected)
+        metrics = {
+            "rewards/chosen": rc.mean(),
+            "rewards/rejected": rr.mean(),
+            "rewards/margin": (rc - rr).mean(),
+            "rewards/accuracy": (rc > rr).float().mean(),
+        }
+    loss = losses.mean()
+    metrics["loss"] = loss.detach()
+    return loss, metrics

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 
-from regen.data import Demo, PromptItem
+from regen.data import Demo, PrefPair, PromptItem
 
 SPLIT_SEED = 1234  # fixed: the held-out set must not depend on run.seed
 SPECIALS = ["<pad>", "<eos>", "<unk>"]
@@ -58,6 +58,20 @@ def demonstrations(digits: int, test_size: int, noise: float) -> list[Demo]:
             answer = wrong if wrong < answer else wrong + 1
         demos.append(Demo(prompt=f"{a}+{b}=", completion=str(answer), meta={"answer": str(a + b)}))
     return demos
+
+
+def preference_pairs(split_name: str, digits: int, test_size: int) -> list[PrefPair]:
+    """One pair per prompt of the split: chosen = the true sum, rejected = a uniformly drawn
+    wrong sum (the same kind of error as the noisy demonstrations)."""
+    rng = random.Random(SPLIT_SEED + 2)
+    top = 2 * 10**digits - 1
+    train, test = split(digits, test_size)
+    pairs = []
+    for a, b in train if split_name == "train" else test:
+        wrong = rng.randrange(top)
+        wrong = wrong if wrong < a + b else wrong + 1
+        pairs.append(PrefPair(f"{a}+{b}=", str(a + b), str(wrong), {"answer": str(a + b)}))
+    return pairs
 
 
 def build_tokenizer():

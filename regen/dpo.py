@@ -1,0 +1,132 @@
+"""Offline preference optimisation (DPO / IPO): `regen train` with `algorithm.name: dpo`.
+
+No sampling and no reward: each step takes preference pairs (prompt, chosen, rejected),
+scores both responses under the policy and under the frozen starting model, and applies
+`dpo_loss`. The reference log-probs never change, so they are computed once, before the
+first step, and kept (no reference model stays in memory during training).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from regen import __version__
+from regen.algorithms import dpo_loss
+from regen.config import RLConfig, dump_config
+from regen.data import Demo, EpochSampler, load_pairs, load_prompts
+from regen.evaluate import fmt_eval, run_eval
+from regen.policies.lm import LMPolicy, load_model_and_tokenizer, resolve_device
+from regen.runtime import checkpoint as ckpt
+from regen.runtime.metrics import MetricsLogger
+from regen.runtime.optim import lr_at, make_optimizer, set_lr
+from regen.runtime.progress import StepProgress
+from regen.runtime.rundir import prepare, setup_torch
+from regen.sft import IGNORE, encode_demos
+
+
+def sequence_logprobs(model, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(N,) sum of log-probs of the labelled (response + EOS) tokens of each row."""
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+    target = labels[:, 1:]
+    valid = target != IGNORE
+    logp = F.log_softmax(logits, -1).gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return (logp * valid).sum(-1)
+
+
+@torch.no_grad()
+def _all_logprobs(model, enc, batch: int = 256) -> torch.Tensor:
+    ids, mask, labels = enc
+    return torch.cat([sequence_logprobs(model, ids[i:i + batch], mask[i:i + batch], labels[i:i + batch])
+                      for i in range(0, len(ids), batch)])
+
+
+def _encode(pairs, tok, max_len, which: str, device):
+    demos = [Demo(p.prompt, getattr(p, which), p.meta) for p in pairs]
+    return tuple(t.to(device) for t in encode_demos(demos, tok, max_len))
+
+
+def preference_accuracy(model, enc_c, enc_r) -> float:
+    """Fraction of pairs whose chosen response is more likely than the rejected one."""
+    model.eval()
+    return float((_all_logprobs(model, enc_c) > _all_logprobs(model, enc_r)).float().mean())
+
+
+def train_dpo(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
+    a, t = cfg.algorithm, cfg.train
+    device = resolve_device(cfg.run.device)
+    skip = cfg.data.on_bad_line == "skip"
+    pairs = load_pairs(cfg.data.train, cfg.task, "data.train", skip)
+    held_pairs = load_pairs(cfg.data.eval, cfg.task, "data.eval", skip) if cfg.data.eval else []
+    eval_items = load_prompts(cfg.data.eval, cfg.task, "data.eval", skip) if cfg.data.eval else []
+    run_dir, resume = prepare(cfg.run.dir, cfg.run.overwrite, resume)
+    setup_torch(cfg.run.threads, cfg.run.seed)
+    state = ckpt.load_latest(run_dir) if resume else None
+
+    start, tok = load_model_and_tokenizer(cfg.model, cfg.task, cfg.run.seed)
+    start = start.to(device).eval()
+    max_len = getattr(start.config, "n_positions", None) or getattr(start.config, "max_position_embeddings", 4096)
+    enc_c = _encode(pairs, tok, max_len, "chosen", device)
+    enc_r = _encode(pairs, tok, max_len, "rejected", device)
+    ref_c, ref_r = _all_logprobs(start, enc_c), _all_logprobs(start, enc_r)  # cached once
+    if state is not None:
+        start, tok = load_model_and_tokenizer(ckpt.resumed_model(cfg.model, state), cfg.task, cfg.run.seed)
+    policy = LMPolicy(start, tok, device)
+    policy.model.eval()  # dropout off, as in RL
+    held = [_encode(held_pairs, tok, max_len, w, device) for w in ("chosen", "rejected")] if held_pairs else None
+    opt = make_optimizer(policy.model, cfg.optim)
+    data = EpochSampler(len(pairs), cfg.run.seed)
+    step0 = ckpt.restore(state, run_dir, opt, data) if state is not None else 0
+    dump_config(cfg, run_dir / "config.yaml")
+    log = MetricsLogger(run_dir, cfg.log.tensorboard)
+    params = [p for p in policy.model.parameters() if p.requires_grad]
+
+    def evaluate_all() -> dict[str, float]:
+        out = run_eval(policy, eval_items, cfg, None) if eval_items else {}
+        if held is not None:
+            out["eval/preference_accuracy"] = preference_accuracy(policy.model, *held)
+        return out
+
+    before = evaluate_all() if step0 == 0 else {}
+    if before:
+        log.log(0, before)
+    with StepProgress(t.steps, step0, cfg.log.progress, cfg.log.every, "dpo") as bar:
+        if before:
+            bar.print(f"held-out before training: {fmt_eval(before)}")
+        for step in range(step0 + 1, t.steps + 1):
+            t0 = time.perf_counter()
+            idx = torch.tensor(data.take(t.global_minibatch_size), device=device)
+            pc = sequence_logprobs(policy.model, *(x[idx] for x in enc_c))
+            pr = sequence_logprobs(policy.model, *(x[idx] for x in enc_r))
+            loss, m = dpo_loss(pc, pr, ref_c[idx], ref_r[idx], a.dpo_beta, a.dpo_label_smoothing, a.dpo_loss)
+            lr = lr_at(step, cfg.optim, t.steps)
+            set_lr(opt, lr)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            gn = torch.nn.utils.clip_grad_norm_(params, t.grad_clip if t.grad_clip > 0 else float("inf"))
+            if torch.isfinite(loss) and torch.isfinite(gn):
+                opt.step()
+            dt = time.perf_counter() - t0
+            metrics = {k: float(v) for k, v in m.items()} | {
+                "grad_norm": float(gn), "lr": lr, "time/step_s": dt, "throughput/pairs_per_s": len(idx) / dt}
+            if cfg.eval.every and step % cfg.eval.every == 0 and step != t.steps:
+                metrics.update(evaluate_all())
+            log.log(step, metrics)
+            bar.update(step, f"loss {metrics['loss']:.3f}  acc {metrics['rewards/accuracy']:.2f}")
+            if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != t.steps:
+                _save(run_dir, step, policy, opt, data, cfg)
+        last = _save(run_dir, t.steps, policy, opt, data, cfg)
+        after = evaluate_all()
+        if after:
+            log.log(t.steps, after)
+    log.close()
+    policy.save_pretrained(run_dir / "export")
+    return {"eval_before": before, "eval_after": after, "checkpoint": str(last), "export": str(run_dir / "export")}
+
+
+def _save(run_dir, step, policy, opt, data, cfg):
+    return ckpt.save_checkpoint(run_dir, step, policy.save_pretrained, opt, rng={"torch_cpu": torch.get_rng_state()},
+                                state={"data": data.state(), "regen_version": __version__},
+                                keep_last=cfg.checkpoint.keep_last)
