@@ -28,6 +28,15 @@ class RunConfig(Section):
     overwrite: bool = Field(False, description="Allow writing into a run directory that already holds metrics.")
 
 
+class LoraSettings(Section):
+    r: int = Field(8, ge=1, description="LoRA rank.")
+    alpha: float = Field(16.0, gt=0.0, description="LoRA scaling alpha (scale = alpha / r).")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA path.")
+    target_modules: list[str] | None = Field(
+        None, description="Module names to adapt; null = peft's default for the architecture."
+    )
+
+
 class ModelConfig(Section):
     path: str | None = Field(
         None, description="Local Hugging Face folder (or hub id, where a network exists) of a causal LM."
@@ -36,6 +45,10 @@ class ModelConfig(Section):
         None, description="Create a fresh model from a built-in recipe instead of loading one (e.g. 'arith-char-gpt2')."
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype.")
+    lora: LoraSettings | None = Field(
+        None, description="Train a LoRA adapter (peft) instead of all weights; the KL reference is then the base "
+        "with the adapter disabled (no second copy). Checkpoints hold the adapter, export/ the merged model."
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelConfig":

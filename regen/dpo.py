@@ -18,7 +18,7 @@ from regen.algorithms import dpo_loss
 from regen.config import RLConfig, dump_config
 from regen.data import Demo, EpochSampler, load_pairs, load_prompts
 from regen.evaluate import fmt_eval, run_eval
-from regen.policies.lm import LMPolicy, load_model_and_tokenizer, resolve_device
+from regen.policies.lm import LMPolicy, apply_lora, load_model_and_tokenizer, resolve_device
 from regen.runtime import checkpoint as ckpt
 from regen.runtime.metrics import MetricsLogger
 from regen.runtime.optim import lr_at, make_optimizer, set_lr
@@ -71,7 +71,9 @@ def train_dpo(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
     enc_c = _encode(pairs, tok, max_len, "chosen", device)
     enc_r = _encode(pairs, tok, max_len, "rejected", device)
     ref_c, ref_r = _all_logprobs(start, enc_c), _all_logprobs(start, enc_r)  # cached once
-    if state is not None:
+    if cfg.model.lora is not None:  # adapter on the starting weights (saved adapter when resuming)
+        start = apply_lora(start, cfg.model.lora, None if state is None else state["model_dir"])
+    elif state is not None:
         start, tok = load_model_and_tokenizer(ckpt.resumed_model(cfg.model, state), cfg.task, cfg.run.seed)
     policy = LMPolicy(start, tok, device)
     policy.model.eval()  # dropout off, as in RL
@@ -122,7 +124,7 @@ def train_dpo(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
         if after:
             log.log(t.steps, after)
     log.close()
-    policy.save_pretrained(run_dir / "export")
+    policy.export(run_dir / "export")
     return {"eval_before": before, "eval_after": after, "checkpoint": str(last), "export": str(run_dir / "export")}
 
 

@@ -43,7 +43,8 @@ def fixed_logprobs(policy: LMPolicy, batch: LMRollout, cfg: RLConfig):
     old_logp = None if single_pass else torch.cat(
         [policy.token_logprobs(batch.select(i), temp, group_size=share)[0] for i in chunks]
     )
-    ref_logp = None if policy.ref is None else torch.cat(
+    need_ref = policy.ref is not None or (policy.is_lora and cfg.algorithm.kl_coef > 0)
+    ref_logp = None if not need_ref else torch.cat(
         [policy.token_logprobs(batch.select(i), temp, use_ref=True, group_size=share)[0] for i in chunks]
     )
     return old_logp, ref_logp
@@ -237,7 +238,7 @@ def train(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
     scorer.shutdown()
     summary["export"] = str(run.run_dir / "export")
     if not summary["stopped_early"]:
-        policy.save_pretrained(run.run_dir / "export")
+        policy.export(run.run_dir / "export")
         if run.mirror is not None:
             run.mirror.submit_export(run.run_dir / "export")
     run.close()  # waits for mirror uploads still in flight

@@ -12,7 +12,7 @@ import torch
 from regen.config import RLConfig, dump_config, incompatible_changes, redact
 from regen.data import EpochSampler, PromptItem, load_prompts
 from regen.errors import RunStopped, UserError
-from regen.policies.lm import LMPolicy, load_model_and_tokenizer, resolve_device
+from regen.policies.lm import LMPolicy, apply_lora, load_model_and_tokenizer, resolve_device
 from regen.rewards import CombinedReward
 from regen.runtime import checkpoint as ckpt
 from regen.runtime.alerts import Alerts
@@ -66,10 +66,7 @@ class Session:
                 raise UserError("cannot resume: the config differs from the checkpoint's in "
                                 + "; ".join(diff) + " (pass --force to resume anyway, or use another run.dir)")
             print(f"resuming from {state['model_dir'].parent}")
-        model, tok = load_model_and_tokenizer(ckpt.resumed_model(cfg.model, state), cfg.task, cfg.run.seed)
-        reference = None
-        if cfg.algorithm.kl_coef > 0:  # the KL reference is the run's starting model, also after a resume
-            reference = "copy" if state is None else load_model_and_tokenizer(cfg.model, cfg.task, cfg.run.seed)[0]
+        model, tok, reference = _load_policy_model(cfg, state)
         policy = LMPolicy(model, tok, device, reference=reference)
         policy.model.eval()  # dropout off: sampling and training see the same function (ratio 1 on-policy)
         opt = make_optimizer(policy.model, cfg.optim)
@@ -116,8 +113,7 @@ class Session:
             raise RunStopped(f"stopped at step {step}: still unhealthy after {self.health.rollbacks} rollbacks "
                              f"(see {self.run_dir / 'alerts.jsonl'})")
         folder = ckpt.latest_healthy(self.run_dir)
-        source = self.cfg.model if folder is None else ckpt.resumed_model(self.cfg.model, {"model_dir": folder / "model"})
-        weights, _ = load_model_and_tokenizer(source, self.cfg.task, self.cfg.run.seed)
+        weights, _, _ = _load_policy_model(self.cfg, None if folder is None else {"model_dir": folder / "model"})
         self.policy.model.load_state_dict(weights.state_dict())
         if folder is None:
             self.opt.state.clear()  # back to the start: a fresh optimizer
@@ -132,6 +128,22 @@ class Session:
         if self.mirror is not None:
             self.mirror.close()  # waits for the uploads still in flight
         self.alerts.flush()
+
+
+def _load_policy_model(cfg: RLConfig, state: dict | None):
+    """(model, tokenizer, reference) to train: from the checkpoint when resuming, else from
+    model.path / model.init; with model.lora, the base plus a new or saved adapter."""
+    kl = cfg.algorithm.kl_coef > 0
+    if cfg.model.lora is not None:
+        base, tok = load_model_and_tokenizer(cfg.model, cfg.task, cfg.run.seed)
+        adapter = None if state is None else state["model_dir"]
+        # the reference is the base with the adapter disabled: no second copy (see LMPolicy)
+        return apply_lora(base, cfg.model.lora, adapter), tok, None
+    model, tok = load_model_and_tokenizer(ckpt.resumed_model(cfg.model, state), cfg.task, cfg.run.seed)
+    reference = None
+    if kl:  # the KL reference is the run's starting model, also after a resume
+        reference = "copy" if state is None else load_model_and_tokenizer(cfg.model, cfg.task, cfg.run.seed)[0]
+    return model, tok, reference
 
 
 def _open_mirror(cfg: RLConfig, alerts: Alerts):

@@ -195,7 +195,13 @@ class LMPolicy:
         cache (with its gradient path) is repeated across the group and only the responses
         are computed per sample. Same numbers as the plain forward, (n-1)/n less prompt work.
         """
-        model = self.ref if use_ref else self.model
+        if use_ref and self.ref is None and self.is_lora:
+            with self.model.disable_adapter():  # LoRA: the reference is the base, adapter off
+                return self._logprobs(self.model, batch, temperature, with_entropy, group_size, entropy_grad)
+        return self._logprobs(self.ref if use_ref else self.model, batch, temperature, with_entropy, group_size,
+                              entropy_grad)
+
+    def _logprobs(self, model, batch, temperature, with_entropy, group_size, entropy_grad):
         if group_size > 1:
             logits = _shared_prefix_logits(model, batch, group_size)
         else:
@@ -212,10 +218,23 @@ class LMPolicy:
 
     # ---------------------------------------------------------------- export
 
+    @property
+    def is_lora(self) -> bool:
+        return hasattr(self.model, "disable_adapter") and hasattr(self.model, "merge_and_unload")
+
     def save_pretrained(self, folder: Path) -> None:
-        """A Hugging Face folder that AutoModelForCausalLM / AutoTokenizer load as they are."""
+        """Checkpoint form: a Hugging Face folder (for LoRA: the adapter only, peft's format)."""
         folder.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(folder, safe_serialization=True)
+        self.tokenizer.save_pretrained(folder)
+
+    def export(self, folder: Path) -> None:
+        """A folder AutoModelForCausalLM / AutoTokenizer load as they are (LoRA merged in)."""
+        if not self.is_lora:
+            return self.save_pretrained(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        merged = copy.deepcopy(self.model).merge_and_unload()
+        merged.save_pretrained(folder, safe_serialization=True)
         self.tokenizer.save_pretrained(folder)
 
 
@@ -281,7 +300,8 @@ def _length_buckets(lengths: torch.Tensor) -> list[torch.Tensor]:
 
 def _cache_arg(model) -> str:
     """transformers 5.x names the KV cache argument `cache`; 4.x named it `past_key_values`."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wraps the model
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
 def _cache_of(out):
@@ -299,3 +319,19 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generat
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def apply_lora(model, lora_cfg, adapter_dir: Path | None = None):
+    """Wrap a causal LM with a LoRA adapter (peft): a fresh one, or the one saved in adapter_dir."""
+    try:
+        from peft import LoraConfig, PeftModel, get_peft_model
+    except ImportError:
+        raise UserError("model.lora needs peft: pip install 'regen[lora]'") from None
+    if adapter_dir is not None:
+        return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=True)
+    cfg = LoraConfig(r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
+                     target_modules=lora_cfg.target_modules, task_type="CAUSAL_LM")
+    try:
+        return get_peft_model(model, cfg)
+    except ValueError as e:
+        raise UserError(f"model.lora: {e}") from None
