@@ -103,6 +103,17 @@ def ppo_clip_loss(
     return loss, metrics
 
 
+def _with_kl(loss, metrics, logp, ref_logp, mask, kl_coef, kl_estimator, agg, norm, denoms, who: str):
+    """loss + kl_coef * agg(KL_t); the KL is reported in metrics whenever ref_logp is given."""
+    if ref_logp is None:
+        if kl_coef > 0:
+            raise ValueError(f"{who}: kl_coef > 0 needs ref_logp")
+        return loss
+    kl = aggregate(kl_penalty(logp, ref_logp, kl_estimator), mask, agg, norm, denoms)
+    metrics["kl"] = kl.detach()
+    return loss + kl_coef * kl if kl_coef > 0 else loss
+
+
 def grpo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -130,13 +141,7 @@ def grpo_loss(
     with its gradient, when entropy_coef > 0 (the optional entropy bonus of PPO, eq. 9).
     """
     loss, metrics = ppo_clip_loss(logp, old_logp, adv, mask, clip_low, clip_high, agg, norm, dual_clip, denoms)
-    if ref_logp is not None:
-        kl = aggregate(kl_penalty(logp, ref_logp, kl_estimator), mask, agg, norm, denoms)
-        metrics["kl"] = kl.detach()
-        if kl_coef > 0:
-            loss = loss + kl_coef * kl
-    elif kl_coef > 0:
-        raise ValueError("grpo_loss: kl_coef > 0 needs ref_logp")
+    loss = _with_kl(loss, metrics, logp, ref_logp, mask, kl_coef, kl_estimator, agg, norm, denoms, "grpo_loss")
     if entropy_coef > 0:
         if entropy is None:
             raise ValueError("grpo_loss: entropy_coef > 0 needs the per-token entropy")
@@ -189,13 +194,7 @@ def gspo_loss(
             "ratio_mean": (s * hf).sum() / hf.sum().clamp(min=1),
             "approx_kl": masked_mean(torch.exp(-log_ratio) - 1.0 + log_ratio, m),
         }
-    if ref_logp is not None:
-        kl = aggregate(kl_penalty(logp, ref_logp, kl_estimator), mask, agg, norm, denoms)
-        metrics["kl"] = kl.detach()
-        if kl_coef > 0:
-            loss = loss + kl_coef * kl
-    elif kl_coef > 0:
-        raise ValueError("gspo_loss: kl_coef > 0 needs ref_logp")
+    loss = _with_kl(loss, metrics, logp, ref_logp, mask, kl_coef, kl_estimator, agg, norm, denoms, "gspo_loss")
     metrics["loss"] = loss.detach()
     return loss, metrics
 
