@@ -263,7 +263,20 @@ def cmd_export(args) -> int:
         if folder is None:
             raise UserError(f"export: no valid checkpoint in '{src}'")
     ckpt.verify(folder)
-    shutil.copytree(folder / "model", out, dirs_exist_ok=True)
+    if (folder / "model" / "adapter_config.json").is_file():  # a LoRA checkpoint: merge into its base
+        try:
+            from peft import AutoPeftModelForCausalLM
+            from transformers import AutoTokenizer
+        except ImportError:
+            raise UserError("export: this checkpoint holds a LoRA adapter; merging it needs peft") from None
+        try:
+            merged = AutoPeftModelForCausalLM.from_pretrained(str(folder / "model")).merge_and_unload()
+        except (OSError, ValueError) as e:
+            raise UserError(f"export: cannot load the adapter's base model: {str(e).splitlines()[0]}") from None
+        merged.save_pretrained(out, safe_serialization=True)
+        AutoTokenizer.from_pretrained(str(folder / "model")).save_pretrained(out)
+    else:
+        shutil.copytree(folder / "model", out, dirs_exist_ok=True)
     print(f"exported {folder} to {out}")
     return 0
 

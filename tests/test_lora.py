@@ -33,6 +33,10 @@ def test_lora_trains_adapter_only_and_exports_a_merged_model(base_model, tmp_pat
     changed = [k for k, v in merged.state_dict().items() if not torch.equal(v, base.state_dict()[k])]
     assert changed and all(("attn" in k or "mlp" in k) for k in changed)  # only adapted layers moved
     assert json.loads((run / "checkpoints" / "step_00000003" / "state.json").read_text())["step"] == 3
+    # `regen export` of the LoRA checkpoint merges it into its base: the same weights as export/
+    assert main(["export", str(run), "--out", str(tmp_path / "exp")]) == 0
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "exp").state_dict()
+    assert all(torch.allclose(again[k], v, atol=1e-6) for k, v in merged.state_dict().items())
 
 
 def test_lora_resume_is_exact(base_model, tmp_path):
