@@ -125,6 +125,11 @@ class AlgorithmConfig(Section):
         "rollout.max_new_tokens: Dr.GRPO)."
     )
     overlong: OverlongConfig | None = Field(None, description="DAPO soft overlong punishment; null = off.")
+    dynamic_sampling: bool = Field(
+        False, description="DAPO dynamic sampling: drop groups whose rewards are all equal and sample more prompts "
+        "until the step is full (metrics dynamic/*)."
+    )
+    max_sampling_rounds: int = Field(3, ge=0, description="Dynamic sampling: most extra sampling rounds per step.")
 
 
 class TrainConfig(Section):

@@ -8,7 +8,7 @@ evaluation, checkpoints). Single process; `breakpoint()` works anywhere in it.
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -17,7 +17,7 @@ from regen.algorithms.losses import batch_denominators
 from regen.config import RLConfig
 from regen.errors import RunStopped, UserError
 from regen.evaluate import fmt_eval, run_eval
-from regen.policies.lm import LMPolicy, LMRollout
+from regen.policies.lm import LMPolicy, LMRollout, concat_rollouts
 from regen.rewards import Sample
 from regen.runtime.optim import lr_at, set_lr
 from regen.runtime.progress import StepProgress
@@ -118,6 +118,63 @@ def update(
     return out
 
 
+def score_batch(reward, batch: LMRollout, items, cfg: RLConfig) -> tuple[torch.Tensor, dict[str, list[float]]]:
+    """Rewards (B,) of a rollout (NaN = missing) and each part, with DAPO's soft overlong
+    punishment added when configured."""
+    n, finished = cfg.rollout.group_size, batch.finished.tolist()
+    samples = [Sample(items[i // n].prompt, batch.completions[i], items[i // n].meta, finished[i])
+               for i in range(len(batch.completions))]
+    total, parts = reward(samples)
+    rewards = torch.tensor(total, dtype=torch.float32)
+    if cfg.algorithm.overlong is not None:
+        o = cfg.algorithm.overlong
+        penalty = overlong_penalty(batch.response_mask.sum(1).cpu(), o.max_len, o.cache_len, o.factor)
+        rewards = rewards + penalty  # NaN (missing) stays missing
+        parts["overlong_penalty"] = penalty.tolist()
+    return rewards, parts
+
+
+def refill_groups(run: Session, cfg: RLConfig, batch: LMRollout, scored) -> tuple[LMRollout, tuple, dict]:
+    """DAPO dynamic sampling (Yu et al. 2025, eq. 11 and Alg. 1): keep only groups whose
+    rewards differ (the others have zero advantage: no signal) and sample more prompts until
+    the step holds prompts_per_step such groups, at most algorithm.max_sampling_rounds extra
+    rounds. Returns the filled rollout, its (rewards, parts), and metrics."""
+    n, G, r = cfg.rollout.group_size, cfg.prompts_per_step, cfg.rollout
+    kept: list[tuple[LMRollout, torch.Tensor, dict]] = []
+    have = dropped = rounds = 0
+    while True:
+        rewards, parts = scored
+        grouped = rewards.view(-1, n)
+        finite = torch.isfinite(grouped)
+        hi = torch.where(finite, grouped, torch.full_like(grouped, -torch.inf)).amax(1)
+        lo = torch.where(finite, grouped, torch.full_like(grouped, torch.inf)).amin(1)
+        ok = (finite.sum(1) >= 2) & (hi > lo)
+        take = ok.nonzero().flatten()[: G - have]
+        rows = (take[:, None] * n + torch.arange(n)).flatten()
+        if len(rows):
+            kept.append((batch.select(rows), rewards[rows], {k: [v[i] for i in rows.tolist()] for k, v in parts.items()}))
+        have, dropped = have + len(take), dropped + int((~ok).sum())
+        if have >= G or rounds >= cfg.algorithm.max_sampling_rounds:
+            break
+        rounds += 1
+        items = [run.prompts[i] for i in run.data.take(G)]
+        batch = run.policy.sample([it.prompt for it in items], n, r.temperature, r.top_p, r.max_new_tokens, run.gen)
+        scored = score_batch(run.reward, batch, items, cfg)
+    metrics = {"dynamic/extra_rounds": float(rounds), "dynamic/dropped_groups": float(dropped),
+               "dynamic/filled_frac": have / G}
+    if not kept:  # nothing with signal even after the extra rounds: train on the last batch (zero advantages)
+        return batch, scored, metrics
+    filled = concat_rollouts([k[0] for k in kept], run.policy.pad_id)
+    all_parts = {k: [x for part in kept for x in part[2][k]] for k in kept[0][2]}
+    return filled, (torch.cat([k[1] for k in kept]), all_parts), metrics
+
+
+def _done(value) -> Future:
+    f: Future = Future()
+    f.set_result(value)
+    return f
+
+
 def _shuffle_groups(B: int, n: int, gen: torch.Generator) -> torch.Tensor:
     """A random order of the B rows that keeps each group of n consecutive rows together."""
     groups = torch.randperm(B // n, generator=gen, device=gen.device).cpu()
@@ -160,21 +217,14 @@ def train(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
 
             # 2. score: one reward per completion; NaN = missing (excluded, never zero). Scoring
             # runs in the background while the reference / behaviour log-probs are computed.
-            finished = batch.finished.tolist()
-            samples = [
-                Sample(items[i // n].prompt, batch.completions[i], items[i // n].meta, finished[i])
-                for i in range(len(batch.completions))
-            ]
-            scoring = scorer.submit(reward, samples)
+            scoring = scorer.submit(score_batch, reward, batch, items, cfg)
+            dyn: dict[str, float] = {}
+            if cfg.algorithm.dynamic_sampling:  # DAPO: replace groups without signal (waits for scores)
+                batch, scored, dyn = refill_groups(run, cfg, batch, scoring.result())
+                scoring = _done(scored)
             old_logp, ref_logp = fixed_logprobs(policy, batch, cfg)
             t_wait = time.perf_counter()
-            total, parts = scoring.result()
-            rewards = torch.tensor(total, dtype=torch.float32)
-            if cfg.algorithm.overlong is not None:  # DAPO: shape the reward of too-long answers
-                o = cfg.algorithm.overlong
-                penalty = overlong_penalty(batch.response_mask.sum(1).cpu(), o.max_len, o.cache_len, o.factor)
-                rewards = rewards + penalty  # NaN (missing) stays missing
-                parts["overlong_penalty"] = penalty.tolist()
+            rewards, parts = scoring.result()
             t2 = time.perf_counter()
 
             # 3. advantage: group-relative; missing rewards and degenerate groups get no gradient
@@ -208,6 +258,7 @@ def train(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
 
             metrics = step_metrics(batch, rewards, parts, adv_m, upd, lr, (t0, t1, t_wait, t2, t3))
             metrics.update(reward.stats())
+            metrics.update(dyn)
             if run.eval_items and cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
                 metrics.update(run_eval(policy, run.eval_items, cfg, reward))
             run.log.log(step, metrics)

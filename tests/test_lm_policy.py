@@ -147,3 +147,19 @@ def test_shared_prefix_with_single_token_responses(policy):
     a, _ = policy.token_logprobs(batch, 1.0)
     b, _ = policy.token_logprobs(batch, 1.0, group_size=2)
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_concatenated_rollouts_keep_their_logprobs(policy):
+    from regen.policies.lm import concat_rollouts
+
+    a = policy.sample(["7+5=", "0+0="], 2, 1.0, 1.0, 3, torch.Generator().manual_seed(6))
+    b = policy.sample(["13+58="], 2, 1.0, 1.0, 6, torch.Generator().manual_seed(7))
+    both = concat_rollouts([a, b], policy.pad_id)
+    assert both.input_ids.shape[0] == 6 and both.completions == a.completions + b.completions
+    lp_both, _ = policy.token_logprobs(both, 1.0, group_size=2)
+    for part, rows in ((a, slice(0, 4)), (b, slice(4, 6))):
+        lp, _ = policy.token_logprobs(part, 1.0)
+        t = part.response_ids.shape[1]
+        m = part.response_mask.bool()
+        torch.testing.assert_close(lp_both[rows, :t][m], lp[m], atol=1e-5, rtol=1e-5)
+        assert both.response_mask[rows, t:].sum() == 0  # padding is masked

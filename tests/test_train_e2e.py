@@ -107,3 +107,17 @@ def test_existing_run_resumes_or_refuses(base_model, tmp_path, capsys):
 def test_resume_without_checkpoint(tmp_path, capsys, verb, base_model):
     assert main([verb, f"model.path={base_model}", f"run.dir={tmp_path}", "--resume"]) == 2
     assert "no valid checkpoint" in capsys.readouterr().err
+
+
+def test_dapo_dynamic_sampling_keeps_only_groups_with_signal(base_model, tmp_path):
+    run = tmp_path / "dapo"
+    assert train(run, base_model, "train.steps=4", "algorithm.dynamic_sampling=true",
+                 "algorithm.max_sampling_rounds=2", "algorithm.clip_high=0.28",
+                 "algorithm.overlong={max_len: 4, cache_len: 2}") == 0
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert all({"dynamic/extra_rounds", "dynamic/dropped_groups", "dynamic/filled_frac"} <= set(r) for r in rows)
+    assert all(r["dynamic/extra_rounds"] <= 2 for r in rows)
+    assert any(r["dynamic/dropped_groups"] > 0 for r in rows)  # the weak base gives many all-zero groups
+    full = [r for r in rows if r["dynamic/filled_frac"] == 1.0]
+    assert all(r["reward/zero_std_frac"] == 0.0 for r in full)  # every kept group carries signal
+    assert all("reward/overlong_penalty" in r for r in rows)

@@ -51,6 +51,25 @@ class LMRollout:
         )
 
 
+def concat_rollouts(parts: list[LMRollout], pad_id: int) -> LMRollout:
+    """One rollout from several: prompts left-padded to the widest, responses right-padded
+    to the longest (padding masked out everywhere, so log-probs are unchanged)."""
+    P = max(p.prompt_width for p in parts)
+    T = max(p.response_ids.shape[1] for p in parts)
+    ids, att, resp_mask = [], [], []
+    for p in parts:
+        t = p.response_ids.shape[1]
+        left, right = P - p.prompt_width, T - t
+        prompt = F.pad(p.input_ids[:, : p.prompt_width], (left, 0), value=pad_id)
+        response = F.pad(p.response_ids, (0, right), value=pad_id)
+        ids.append(torch.cat([prompt, response], 1))
+        att.append(torch.cat([F.pad(p.attention_mask[:, : p.prompt_width], (left, 0)),
+                              F.pad(p.attention_mask[:, p.prompt_width :], (0, right))], 1))
+        resp_mask.append(F.pad(p.response_mask, (0, right)))
+    return LMRollout(torch.cat(ids), torch.cat(att), torch.cat(resp_mask), torch.cat([p.finished for p in parts]),
+                     P, [c for p in parts for c in p.completions])
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
