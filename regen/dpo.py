@@ -13,12 +13,11 @@ import time
 import torch
 import torch.nn.functional as F
 
-from regen import __version__
 from regen.algorithms import dpo_loss
 from regen.config import RLConfig, dump_config
 from regen.data import Demo, EpochSampler, load_pairs, load_prompts
 from regen.evaluate import fmt_eval, run_eval
-from regen.policies.lm import LMPolicy, apply_lora, load_model_and_tokenizer, resolve_device
+from regen.policies.lm import LMPolicy, apply_lora, load_model_and_tokenizer, max_positions, resolve_device
 from regen.runtime import checkpoint as ckpt
 from regen.runtime.metrics import MetricsLogger
 from regen.runtime.optim import lr_at, make_optimizer, set_lr
@@ -67,7 +66,7 @@ def train_dpo(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
 
     start, tok = load_model_and_tokenizer(cfg.model, cfg.task, cfg.run.seed)
     start = start.to(device).eval()
-    max_len = getattr(start.config, "n_positions", None) or getattr(start.config, "max_position_embeddings", 4096)
+    max_len = max_positions(start)
     enc_c = _encode(pairs, tok, max_len, "chosen", device)
     enc_r = _encode(pairs, tok, max_len, "rejected", device)
     ref_c, ref_r = _all_logprobs(start, enc_c), _all_logprobs(start, enc_r)  # cached once
@@ -118,8 +117,8 @@ def train_dpo(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
             log.log(step, metrics)
             bar.update(step, f"loss {metrics['loss']:.3f}  acc {metrics['rewards/accuracy']:.2f}")
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != t.steps:
-                _save(run_dir, step, policy, opt, data, cfg)
-        last = _save(run_dir, t.steps, policy, opt, data, cfg)
+                ckpt.save_offline(run_dir, step, policy, opt, data, cfg.checkpoint.keep_last)
+        last = ckpt.save_offline(run_dir, t.steps, policy, opt, data, cfg.checkpoint.keep_last)
         after = evaluate_all()
         if after:
             log.log(t.steps, after)
@@ -127,8 +126,3 @@ def train_dpo(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
     policy.export(run_dir / "export")
     return {"eval_before": before, "eval_after": after, "checkpoint": str(last), "export": str(run_dir / "export")}
 
-
-def _save(run_dir, step, policy, opt, data, cfg):
-    return ckpt.save_checkpoint(run_dir, step, policy.save_pretrained, opt, rng={"torch_cpu": torch.get_rng_state()},
-                                state={"data": data.state(), "regen_version": __version__},
-                                keep_last=cfg.checkpoint.keep_last)

@@ -9,12 +9,11 @@ import time
 import torch
 import torch.nn.functional as F
 
-from regen import __version__
 from regen.config import SFTConfig, dump_config
 from regen.data import Demo, EpochSampler, load_demos, load_prompts
 from regen.errors import DataError
 from regen.evaluate import run_eval
-from regen.policies.lm import LMPolicy, load_model_and_tokenizer, resolve_device
+from regen.policies.lm import LMPolicy, load_model_and_tokenizer, max_positions, resolve_device
 from regen.runtime import checkpoint as ckpt
 from regen.runtime.metrics import MetricsLogger
 from regen.runtime.optim import lr_at, make_optimizer, set_lr
@@ -53,7 +52,7 @@ def sft(cfg: SFTConfig, resume: bool = False) -> dict:
     state = ckpt.load_latest(run_dir) if resume else None
     model, tok = load_model_and_tokenizer(ckpt.resumed_model(cfg.model, state), cfg.task, cfg.run.seed)
     policy = LMPolicy(model, tok, device)
-    max_len = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", 4096)
+    max_len = max_positions(model)
     ids, mask, labels = (t.to(device) for t in encode_demos(demos, tok, max_len))
     opt = make_optimizer(policy.model, cfg.optim)
     data = EpochSampler(len(demos), cfg.run.seed)
@@ -64,10 +63,7 @@ def sft(cfg: SFTConfig, resume: bool = False) -> dict:
     s = cfg.sft
 
     def save(step: int):
-        return ckpt.save_checkpoint(
-            run_dir, step, policy.save_pretrained, opt, rng={"torch_cpu": torch.get_rng_state()},
-            state={"data": data.state(), "regen_version": __version__}, keep_last=cfg.checkpoint.keep_last,
-        )
+        return ckpt.save_offline(run_dir, step, policy, opt, data, cfg.checkpoint.keep_last)
 
     policy.model.train()
     with StepProgress(s.steps, start_step, cfg.log.progress, cfg.log.every, "sft") as bar:

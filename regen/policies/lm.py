@@ -70,6 +70,12 @@ def concat_rollouts(parts: list[LMRollout], pad_id: int) -> LMRollout:
                      P, [c for p in parts for c in p.completions])
 
 
+def max_positions(model) -> int:
+    """The longest sequence the model accepts (GPT-2 names it n_positions)."""
+    cfg = model.config
+    return getattr(cfg, "n_positions", None) or getattr(cfg, "max_position_embeddings", None) or 4096
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
