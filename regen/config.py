@@ -61,10 +61,16 @@ class DataConfig(Section):
     train: str = Field(
         "builtin:arithmetic:train",
         description="Training prompts: a JSONL file (one object per line with a 'prompt' field; other fields "
-        "are passed to rewards) or 'builtin:arithmetic:train'.",
+        "are passed to rewards), a Hugging Face dataset 'hf:NAME_OR_PATH[:SPLIT]' (a save_to_disk folder, a "
+        "folder of parquet/JSON files, or a hub id where a network exists; split defaults to train), or "
+        "'builtin:arithmetic:train'. DPO reads preference pairs (prompt, chosen, rejected) from it.",
     )
     eval: str | None = Field(
         "builtin:arithmetic:test", description="Held-out prompts, same formats as data.train; null disables eval."
+    )
+    columns: dict[str, str] = Field(
+        default_factory=dict, description="Hugging Face datasets: the column holding each field regen reads, "
+        "e.g. {prompt: question, chosen: response_j, rejected: response_k}."
     )
     on_bad_line: Literal["error", "skip"] = Field(
         "error", description="A malformed JSONL line: stop with its file and line number, or skip it and count it."
@@ -98,17 +104,28 @@ class OverlongConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    name: Literal["grpo", "gspo", "dpo"] = Field(
+    name: Literal["grpo", "ppo", "gspo", "dpo"] = Field(
         "grpo", description="Policy loss: 'grpo' (token-level clipped ratio; with clip_high 0.28 and overlong, DAPO), "
+        "'ppo' (the same clipped loss on per-token GAE advantages from a learned critic, see the critic section), "
         "'gspo' (sequence-level length-normalised ratio, Zheng 2025; use clip ranges like 3e-4 / 4e-4), or 'dpo' "
         "(offline, on preference pairs from data.train; train.global_minibatch_size pairs per step)."
     )
     dpo_beta: float = Field(0.1, gt=0.0, description="DPO/IPO beta.")
     dpo_label_smoothing: float = Field(0.0, ge=0.0, lt=0.5, description="DPO conservative label smoothing.")
     dpo_loss: Literal["sigmoid", "ipo"] = Field("sigmoid", description="DPO (sigmoid) or IPO (squared) loss.")
-    advantage: Literal["grpo", "rloo", "reinforce_pp"] = Field(
-        "grpo", description="Advantage estimator: group-relative (GRPO / Dr.GRPO with std_normalize=false), "
-        "leave-one-out (RLOO), or batch-whitened REINFORCE++."
+    advantage: Literal["grpo", "rloo", "reinforce_pp", "gae"] | None = Field(
+        None, description="Advantage estimator: group-relative (GRPO / Dr.GRPO with std_normalize=false), "
+        "leave-one-out (RLOO), batch-whitened REINFORCE++, or 'gae' (PPO's critic). null = 'gae' for name=ppo, "
+        "else 'grpo'."
+    )
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="PPO: GAE discount over response tokens.")
+    lam: float = Field(0.95, ge=0.0, le=1.0, description="PPO: GAE lambda (bias/variance trade-off).")
+    whiten_advantages: bool = Field(
+        True, description="PPO: normalise the token advantages over the batch (mean 0, std 1)."
+    )
+    kl_placement: Literal["loss", "reward"] = Field(
+        "loss", description="'loss': kl_coef * KL (kl_estimator) added to the loss; 'reward': k1 KL folded into "
+        "per-token rewards (InstructGPT-style; PPO and REINFORCE++ only)."
     )
     std_normalize: bool = Field(True, description="GRPO: divide group-centred rewards by the group std.")
     reinforce_baseline: bool = Field(False, description="REINFORCE++: subtract the group mean before whitening.")
@@ -130,6 +147,20 @@ class AlgorithmConfig(Section):
         "until the step is full (metrics dynamic/*)."
     )
     max_sampling_rounds: int = Field(3, ge=0, description="Dynamic sampling: most extra sampling rounds per step.")
+
+
+class CriticConfig(Section):
+    path: str | None = Field(
+        None, description="PPO critic's starting weights: a causal-LM or token-classification folder (a value head "
+        "is added when missing); null = the policy's starting model (model.path / model.init) with a new head."
+    )
+    lr: float = Field(1e-5, gt=0.0, description="Critic learning rate (AdamW; other settings as in optim).")
+    value_clip: float | None = Field(
+        0.2, gt=0.0, description="Clip of the value update around the old values (eps_v); null = unclipped."
+    )
+    warmup_steps: int = Field(
+        0, ge=0, description="Steps at the start in which only the critic is trained (the policy is held)."
+    )
 
 
 class TrainConfig(Section):
@@ -237,6 +268,7 @@ class RLConfig(Section):
     task: TaskConfig = Field(default_factory=TaskConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig, description="The value model of algorithm.name=ppo.")
     train: TrainConfig = Field(default_factory=TrainConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     reward: list[RewardTerm] = Field(
@@ -253,8 +285,17 @@ class RLConfig(Section):
         if self.mirror.url and self.checkpoint.keep_last < 2:
             raise ValueError("checkpoint.keep_last must be at least 2 with mirror.url: the newest local "
                              "checkpoint may still be uploading when the next one is written")
-        r, t = self.rollout, self.train
-        if r.group_size < 2:
+        r, t, a = self.rollout, self.train, self.algorithm
+        if a.advantage is None:
+            a.advantage = "gae" if a.name == "ppo" else "grpo"
+        if (a.name == "ppo") != (a.advantage == "gae"):
+            raise ValueError(f"algorithm.name={a.name} with algorithm.advantage={a.advantage}: the critic's GAE "
+                             "advantages and algorithm.name=ppo go together")
+        if a.kl_placement == "reward" and a.advantage not in ("gae", "reinforce_pp"):
+            raise ValueError(f"algorithm.kl_placement=reward needs per-token advantages (algorithm.name=ppo or "
+                             f"advantage=reinforce_pp), not advantage={a.advantage}")
+        needs_groups = a.advantage in ("grpo", "rloo") or (a.advantage == "reinforce_pp" and a.reinforce_baseline)
+        if r.group_size < 2 and needs_groups:
             raise ValueError(f"rollout.group_size={r.group_size}: group-relative advantages need at least 2 per group")
         if r.global_batch_size % r.group_size:
             raise ValueError(

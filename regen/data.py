@@ -85,18 +85,31 @@ def _parse_row(line: str, path: str, n: int, required: tuple[str, ...]) -> dict:
     return row
 
 
-def load_prompts(spec: str, task, where: str, skip_bad: bool = False) -> list[PromptItem]:
-    """`spec` is a JSONL path (rows with 'prompt'; other fields become meta) or 'builtin:arithmetic:SPLIT'."""
+def read_rows(spec: str, required: tuple[str, ...], where: str, skip_bad: bool = False,
+              columns: dict[str, str] | None = None) -> list[dict]:
+    """Rows of a JSONL file, or of a Hugging Face dataset for 'hf:NAME_OR_PATH[:SPLIT]'."""
+    if spec.startswith("hf:"):
+        from regen.data_hf import read_hf
+
+        return read_hf(spec, required, where, columns)
+    return read_jsonl(spec, required, where, skip_bad)
+
+
+def load_prompts(spec: str, task, where: str, skip_bad: bool = False,
+                 columns: dict[str, str] | None = None) -> list[PromptItem]:
+    """`spec` is a JSONL path (rows with 'prompt'; other fields become meta), 'hf:DATASET[:SPLIT]'
+    or 'builtin:arithmetic:SPLIT'."""
     if spec.startswith("builtin:"):
         from regen.tasks import arithmetic
 
         _, split = _builtin(spec)
         return arithmetic.prompts(split, task.digits, task.test_size)
-    rows = read_jsonl(spec, ("prompt",), where, skip_bad)
+    rows = read_rows(spec, ("prompt",), where, skip_bad, columns)
     return [PromptItem(prompt=r.pop("prompt"), meta=r) for r in rows]
 
 
-def load_demos(spec: str, task, where: str, skip_bad: bool = False) -> list[Demo]:
+def load_demos(spec: str, task, where: str, skip_bad: bool = False,
+               columns: dict[str, str] | None = None) -> list[Demo]:
     """Demonstrations: JSONL rows with 'prompt' and 'completion', or the noisy built-in ones."""
     if spec.startswith("builtin:"):
         from regen.tasks import arithmetic
@@ -105,7 +118,7 @@ def load_demos(spec: str, task, where: str, skip_bad: bool = False) -> list[Demo
         if split != "train":
             raise DataError(f"{where}: demonstrations come from the train split, not '{spec}'")
         return arithmetic.demonstrations(task.digits, task.test_size, task.demo_noise)
-    rows = read_jsonl(spec, ("prompt", "completion"), where, skip_bad)
+    rows = read_rows(spec, ("prompt", "completion"), where, skip_bad, columns)
     return [Demo(prompt=r.pop("prompt"), completion=r.pop("completion"), meta=r) for r in rows]
 
 
@@ -144,13 +157,14 @@ class EpochSampler:
         self._perm = self._permutation(self.epoch)
 
 
-def load_pairs(spec: str, task, where: str, skip_bad: bool = False) -> list[PrefPair]:
-    """Preference pairs: JSONL rows with 'prompt', 'chosen', 'rejected', or the built-in
-    arithmetic pairs (chosen = the true sum, rejected = a wrong one)."""
+def load_pairs(spec: str, task, where: str, skip_bad: bool = False,
+               columns: dict[str, str] | None = None) -> list[PrefPair]:
+    """Preference pairs: rows with 'prompt', 'chosen', 'rejected' (JSONL or 'hf:DATASET[:SPLIT]'),
+    or the built-in arithmetic pairs (chosen = the true sum, rejected = a wrong one)."""
     if spec.startswith("builtin:"):
         from regen.tasks import arithmetic
 
         _, split = _builtin(spec)
         return arithmetic.preference_pairs(split, task.digits, task.test_size)
-    rows = read_jsonl(spec, ("prompt", "chosen", "rejected"), where, skip_bad)
+    rows = read_rows(spec, ("prompt", "chosen", "rejected"), where, skip_bad, columns)
     return [PrefPair(r.pop("prompt"), r.pop("chosen"), r.pop("rejected"), r) for r in rows]

@@ -57,9 +57,9 @@ def train_dpo(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
     a, t = cfg.algorithm, cfg.train
     device = resolve_device(cfg.run.device)
     skip = cfg.data.on_bad_line == "skip"
-    pairs = load_pairs(cfg.data.train, cfg.task, "data.train", skip)
-    held_pairs = load_pairs(cfg.data.eval, cfg.task, "data.eval", skip) if cfg.data.eval else []
-    eval_items = load_prompts(cfg.data.eval, cfg.task, "data.eval", skip) if cfg.data.eval else []
+    pairs = load_pairs(cfg.data.train, cfg.task, "data.train", skip, cfg.data.columns)
+    held_pairs = load_pairs(cfg.data.eval, cfg.task, "data.eval", skip, cfg.data.columns) if cfg.data.eval else []
+    eval_items = load_prompts(cfg.data.eval, cfg.task, "data.eval", skip, cfg.data.columns) if cfg.data.eval else []
     run_dir, resume = prepare(cfg.run.dir, cfg.run.overwrite, resume)
     setup_torch(cfg.run.threads, cfg.run.seed)
     state = ckpt.load_latest(run_dir) if resume else None

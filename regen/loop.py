@@ -13,6 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from regen.algorithms import ADVANTAGES, POLICY_LOSSES, overlong_penalty
+from regen.algorithms.gae import explained_variance, token_advantages
 from regen.algorithms.losses import batch_denominators
 from regen.config import RLConfig
 from regen.errors import RunStopped, UserError
@@ -39,8 +40,9 @@ def fixed_logprobs(policy: LMPolicy, batch: LMRollout, cfg: RLConfig):
     mb, share, single_pass = _minibatching(cfg)
     temp, chunks = cfg.rollout.temperature, torch.arange(batch.input_ids.shape[0]).split(mb)
     # In a single on-policy pass the old log-probs equal the new ones before the step, so
-    # the update reuses its own forward (detached) instead of paying for another.
-    old_logp = None if single_pass else torch.cat(
+    # the update reuses its own forward (detached) instead of paying for another; a KL folded
+    # into the reward needs them before the update, though.
+    old_logp = None if single_pass and cfg.algorithm.kl_placement == "loss" else torch.cat(
         [policy.token_logprobs(batch.select(i), temp, group_size=share)[0] for i in chunks]
     )
     need_ref = policy.ref is not None or (policy.is_lora and cfg.algorithm.kl_coef > 0)
@@ -50,13 +52,27 @@ def fixed_logprobs(policy: LMPolicy, batch: LMRollout, cfg: RLConfig):
     return old_logp, ref_logp
 
 
+def advantages(cfg: RLConfig, rewards, batch: LMRollout, old_logp, ref_logp, old_values):
+    """(adv (B,) or (B, T), critic returns (B, T) or None, valid rows (B,), metrics)."""
+    a, n = cfg.algorithm, cfg.rollout.group_size
+    if a.advantage == "gae" or a.kl_placement == "reward":  # per-token: a critic, or the KL in the reward
+        return token_advantages(
+            rewards, batch.response_mask, n, a.advantage, values=old_values, logp=old_logp, ref_logp=ref_logp,
+            kl_coef=a.kl_coef if a.kl_placement == "reward" else 0.0, gamma=a.gamma, lam=a.lam,
+            whiten=a.whiten_advantages, baseline=a.reinforce_baseline)
+    adv, valid, m = ADVANTAGES[a.advantage](rewards, n, std_normalize=a.std_normalize, baseline=a.reinforce_baseline)
+    return adv, None, valid, m
+
+
 def update(
     policy: LMPolicy, opt, batch: LMRollout, adv: torch.Tensor, mask: torch.Tensor, old_logp, ref_logp,
-    cfg: RLConfig, gen,
+    cfg: RLConfig, gen, critic=None, train_policy: bool = True,
 ) -> dict[str, float]:
     """ppo_epochs passes over the batch in minibatches, one optimizer step per minibatch;
     each minibatch's gradient is accumulated over micro-batches, so memory is bounded by the
-    micro-batch while the loss is exactly the minibatch's (same denominators, see aggregate)."""
+    micro-batch while the loss is exactly the minibatch's (same denominators, see aggregate).
+    critic: (Critic, its optimizer, old values, returns) for PPO; it steps on the same
+    minibatches. train_policy=False (critic warm-up) updates only the critic."""
     a, t = cfg.algorithm, cfg.train
     temp, B = cfg.rollout.temperature, mask.shape[0]
     mb, share, single_pass = _minibatching(cfg)
@@ -68,6 +84,14 @@ def update(
     for _ in range(t.ppo_epochs):
         order = torch.arange(B) if single_pass else _shuffle_groups(B, share, gen)
         for idx in order.split(mb):
+            if critic is not None:
+                c_model, c_opt, old_v, returns = critic
+                c_m = c_model.train_minibatch(c_opt, batch, idx, micro, old_v, returns, mask, cfg.critic.value_clip,
+                                              a.loss_agg, float(cfg.rollout.max_new_tokens), t.grad_clip)
+                for k, v in c_m.items():
+                    sums[k] = sums.get(k, 0.0) + v
+            if not train_policy:
+                continue
             denoms = batch_denominators(mask[idx])
             opt.zero_grad(set_to_none=True)
             step_m: dict[str, float] = {}
@@ -85,7 +109,7 @@ def update(
                     ref_logp=None if ref_logp is None else ref_logp[part],
                     clip_low=a.clip_low,
                     clip_high=a.clip_high,
-                    kl_coef=a.kl_coef,
+                    kl_coef=a.kl_coef if a.kl_placement == "loss" else 0.0,  # else it is in the reward
                     kl_estimator=a.kl_estimator,
                     agg=a.loss_agg,
                     norm=float(cfg.rollout.max_new_tokens),
@@ -113,7 +137,8 @@ def update(
             for k, v in step_m.items():
                 sums[k] = sums.get(k, 0.0) + v
             n_steps += 1
-    out = {k: v / max(n_steps, 1) for k, v in sums.items()}
+    n_mb = t.ppo_epochs * (B // mb)  # critic steps taken (it is not skipped in warm-up)
+    out = {k: v / (n_mb if k.startswith("critic/") else max(n_steps, 1)) for k, v in sums.items()}
     out["nonfinite_skipped"] = float(skipped)
     return out
 
@@ -202,7 +227,7 @@ def train(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
     if run.eval_items and run.start_step == 0:
         summary["eval_before"] = run_eval(policy, run.eval_items, cfg, reward)
         run.log.log(0, summary["eval_before"])
-    with StepProgress(cfg.train.steps, run.start_step, cfg.log.progress, cfg.log.every, "grpo") as bar, \
+    with StepProgress(cfg.train.steps, run.start_step, cfg.log.progress, cfg.log.every, cfg.algorithm.name) as bar, \
             GracefulStop(bar.print) as stop:
         alerts.echo = bar.print  # alerts go above the live bar, not through it
         if summary["eval_before"]:
@@ -228,9 +253,8 @@ def train(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
             t2 = time.perf_counter()
 
             # 3. advantage: group-relative; missing rewards and degenerate groups get no gradient
-            a = cfg.algorithm
-            adv, valid, adv_m = ADVANTAGES[a.advantage](
-                rewards, n, std_normalize=a.std_normalize, baseline=a.reinforce_baseline)
+            old_values = None if run.critic is None else run.critic.values_in_chunks(batch, _minibatching(cfg)[0])
+            adv, returns, valid, adv_m = advantages(cfg, rewards, batch, old_logp, ref_logp, old_values)
             mask = batch.response_mask * valid.to(batch.response_mask.dtype).unsqueeze(1).to(policy.device)
             adv = adv.to(policy.device)
             missing = float(adv_m["missing_frac"])
@@ -248,8 +272,15 @@ def train(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
             set_lr(opt, lr)
             scored = bool(valid.any())
             unscored = 0 if scored else unscored + 1
+            critic = None
+            if run.critic is not None:
+                set_lr(run.critic_opt, lr * cfg.critic.lr / cfg.optim.lr)
+                critic = (run.critic, run.critic_opt, old_values, returns)
             if scored:
-                upd = update(policy, opt, batch, adv, mask, old_logp, ref_logp, cfg, gen)
+                upd = update(policy, opt, batch, adv, mask, old_logp, ref_logp, cfg, gen, critic,
+                             train_policy=step > cfg.critic.warmup_steps or run.critic is None)
+                if critic is not None:
+                    upd["critic/explained_var"] = explained_variance(old_values, returns, mask)
             else:
                 upd = {"update_skipped": 1.0}
             t3 = time.perf_counter()

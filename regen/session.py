@@ -12,6 +12,7 @@ import torch
 from regen.config import RLConfig, dump_config, incompatible_changes, redact
 from regen.data import EpochSampler, PromptItem, load_prompts
 from regen.errors import RunStopped, UserError
+from regen.policies.critic import Critic
 from regen.policies.lm import LMPolicy, apply_lora, load_model_and_tokenizer, resolve_device
 from regen.rewards import CombinedReward
 from regen.runtime import checkpoint as ckpt
@@ -39,14 +40,17 @@ class Session:
     start_step: int
     saved_reward_versions: dict | None  # from the checkpoint resumed, to warn when they changed
     mirror: object | None = None  # S3Mirror when mirror.url is set
+    critic: Critic | None = None  # PPO's value model (algorithm.name=ppo) and its optimizer
+    critic_opt: torch.optim.Optimizer | None = None
 
     @classmethod
     def start(cls, cfg: RLConfig, resume: bool = False, force: bool = False) -> "Session":
         # Check everything the user gave before touching the run directory.
         device = resolve_device(cfg.run.device)
         reward = CombinedReward.from_config(cfg.reward)
-        prompts = load_prompts(cfg.data.train, cfg.task, "data.train", cfg.data.on_bad_line == "skip")
-        eval_items = load_prompts(cfg.data.eval, cfg.task, "data.eval", cfg.data.on_bad_line == "skip") if cfg.data.eval else []
+        skip = cfg.data.on_bad_line == "skip"
+        prompts = load_prompts(cfg.data.train, cfg.task, "data.train", skip, cfg.data.columns)
+        eval_items = load_prompts(cfg.data.eval, cfg.task, "data.eval", skip, cfg.data.columns) if cfg.data.eval else []
         if len(prompts) < cfg.prompts_per_step:
             raise UserError(f"data.train: {len(prompts)} prompts, fewer than the {cfg.prompts_per_step} per step")
         run_dir, resume = prepare(cfg.run.dir, cfg.run.overwrite, resume)
@@ -70,6 +74,7 @@ class Session:
         policy = LMPolicy(model, tok, device, reference=reference)
         policy.model.eval()  # dropout off: sampling and training see the same function (ratio 1 on-policy)
         opt = make_optimizer(policy.model, cfg.optim)
+        critic, critic_opt = _load_critic(cfg, device, state, alerts)
         data = EpochSampler(len(prompts), cfg.run.seed)
         gen = torch.Generator(device=device).manual_seed(cfg.run.seed)
         health = HealthMonitor(cfg.health, alerts)
@@ -81,7 +86,7 @@ class Session:
         dump_config(cfg, run_dir / "config.yaml")
         return cls(cfg, run_dir, policy, opt, data, gen, reward, prompts, eval_items,
                    MetricsLogger(run_dir, cfg.log.tensorboard), alerts, health, start_step,
-                   state["state"].get("reward_versions") if state else None, mirror)
+                   state["state"].get("reward_versions") if state else None, mirror, critic, critic_opt)
 
     def save(self, step: int) -> Path | None:
         """Write a checkpoint; a failed write (disk full...) raises an alert and returns None:
@@ -95,6 +100,7 @@ class Session:
                        "health": self.health.state(), "reward_versions": self.reward.versions(), "config": tree,
                        "versions": versions(self.cfg.model.path or self.cfg.model.init, self.reward.versions(), tree)},
                 keep_last=self.cfg.checkpoint.keep_last,
+                save_extra=None if self.critic is None else self._save_critic,
             )
         except OSError as e:
             self.alerts.fire(step, "checkpoint_failed", f"checkpoint at step {step} not written: {e.strerror or e}")
@@ -103,6 +109,10 @@ class Session:
         if self.mirror is not None:
             self.mirror.submit(folder)  # background upload; failures become alerts
         return folder
+
+    def _save_critic(self, folder: Path) -> None:
+        self.critic.save_pretrained(folder / "critic")
+        ckpt.save_optimizer(self.critic_opt, folder, "critic_optimizer")
 
     def rollback(self, step: int) -> None:
         """Return the weights and optimizer to the last healthy checkpoint (or the starting
@@ -119,6 +129,13 @@ class Session:
             self.opt.state.clear()  # back to the start: a fresh optimizer
         else:
             self.opt.load_state_dict(ckpt.load_checkpoint(folder)["optimizer"])
+        if self.critic is not None:  # the critic goes back to the same point as the policy
+            state = None if folder is None else {"folder": folder}
+            critic, critic_opt = _load_critic(self.cfg, self.critic.device, state, self.alerts)
+            self.critic.model.load_state_dict(critic.model.state_dict())
+            self.critic_opt.state.clear()
+            if folder is not None:
+                self.critic_opt.load_state_dict(critic_opt.state_dict())
         self.health.rolled_back()
         self.alerts.fire(step, "rollback", f"rolled back to {folder.name if folder else 'the starting model'}; "
                          f"learning rate x{self.health.lr_scale:g}", lr_scale=self.health.lr_scale)
@@ -144,6 +161,22 @@ def _load_policy_model(cfg: RLConfig, state: dict | None):
     if kl:  # the KL reference is the run's starting model, also after a resume
         reference = "copy" if state is None else load_model_and_tokenizer(cfg.model, cfg.task, cfg.run.seed)[0]
     return model, tok, reference
+
+
+def _load_critic(cfg: RLConfig, device, state: dict | None, alerts: Alerts):
+    """PPO's critic and its optimizer: from the checkpoint being resumed, else fresh."""
+    if cfg.algorithm.advantage != "gae":
+        return None, None
+    folder = None if state is None else state["folder"] / "critic"
+    if folder is not None and not folder.is_dir():
+        alerts.fire(-1, "critic_missing", f"checkpoint {state['folder'].name} holds no critic: starting a new one")
+        folder = None
+    critic = Critic.load(cfg, device, folder)
+    opt = make_optimizer(critic.model, cfg.optim.model_copy(update={"lr": cfg.critic.lr}))
+    saved = None if folder is None else ckpt.load_optimizer(state["folder"], "critic_optimizer")
+    if saved is not None:
+        opt.load_state_dict(saved)
+    return critic, opt
 
 
 def _open_mirror(cfg: RLConfig, alerts: Alerts):

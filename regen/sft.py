@@ -44,9 +44,9 @@ def encode_demos(demos: list[Demo], tok, max_len: int) -> tuple[torch.Tensor, to
 
 def sft(cfg: SFTConfig, resume: bool = False) -> dict:
     device = resolve_device(cfg.run.device)
-    demos = load_demos(cfg.data.train, cfg.task, "data.train", cfg.data.on_bad_line == "skip")
+    demos = load_demos(cfg.data.train, cfg.task, "data.train", cfg.data.on_bad_line == "skip", cfg.data.columns)
     skip_bad = cfg.data.on_bad_line == "skip"
-    eval_items = load_prompts(cfg.data.eval, cfg.task, "data.eval", skip_bad) if cfg.data.eval else []
+    eval_items = load_prompts(cfg.data.eval, cfg.task, "data.eval", skip_bad, cfg.data.columns) if cfg.data.eval else []
     run_dir, resume = prepare(cfg.run.dir, cfg.run.overwrite, resume)
     setup_torch(cfg.run.threads, cfg.run.seed)
     state = ckpt.load_latest(run_dir) if resume else None

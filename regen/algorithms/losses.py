@@ -199,7 +199,7 @@ def gspo_loss(
     return loss, metrics
 
 
-POLICY_LOSSES = {"grpo": grpo_loss, "gspo": gspo_loss}
+POLICY_LOSSES = {"grpo": grpo_loss, "ppo": grpo_loss, "gspo": gspo_loss}  # PPO: the same clipped loss, per-token A
 
 
 def dpo_loss(

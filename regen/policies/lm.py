@@ -39,7 +39,7 @@ class LMRollout:
     def position_ids(self) -> torch.Tensor:  # (B, P+T): left padding must not shift positions
         return (self.attention_mask.cumsum(-1) - 1).clamp(min=0)
 
-    def select(self, idx: torch.Tensor) -> "LMRollout":
+    def select(self, idx: torch.Tensor) -> LMRollout:
         keep = idx.tolist()
         return LMRollout(
             self.input_ids[idx],

@@ -4,6 +4,7 @@ rest JSON: loading a checkpoint never unpickles anything.
 
     checkpoints/step_00000050/
         model/              Hugging Face folder (config, safetensors weights, tokenizer)
+        critic/, critic_optimizer.*   PPO only: the value model and its optimizer
         optimizer.safetensors, optimizer.json
         rng.safetensors     torch CPU/CUDA RNG and the sampling generator
         state.json          step, data position, versions, anything else the loop keeps
@@ -64,6 +65,20 @@ def optimizer_to_flat(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tenso
     return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
 
 
+def save_optimizer(opt: torch.optim.Optimizer, folder: Path, name: str) -> None:
+    tensors, meta = optimizer_to_flat(opt)
+    save_file(tensors, str(folder / f"{name}.safetensors"))
+    (folder / f"{name}.json").write_text(json.dumps(meta))
+
+
+def load_optimizer(folder: Path, name: str) -> dict | None:
+    """An optimizer state_dict saved by save_optimizer, or None when the checkpoint has none."""
+    if not (folder / f"{name}.safetensors").is_file():
+        return None
+    return optimizer_from_flat(load_file(str(folder / f"{name}.safetensors")),
+                               json.loads((folder / f"{name}.json").read_text()))
+
+
 def optimizer_from_flat(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
     state: dict[int, dict[str, Any]] = {}
     for key, v in list(tensors.items()) + list(meta["scalars"].items()):
@@ -83,6 +98,7 @@ def save_checkpoint(
     rng: dict[str, torch.Tensor],
     state: dict,
     keep_last: int,
+    save_extra=None,  # callable(folder: Path) writing more files into the checkpoint (e.g. the critic)
 ) -> Path:
     """Write a checkpoint; on any failure (e.g. ENOSPC) the partial folder is removed, the
     error re-raised, and every earlier checkpoint is left as it was. `state['healthy']`
@@ -97,9 +113,9 @@ def save_checkpoint(
         tmp.mkdir()
         save_model(tmp / "model")
         if optimizer is not None:
-            tensors, meta = optimizer_to_flat(optimizer)
-            save_file(tensors, str(tmp / "optimizer.safetensors"))
-            (tmp / "optimizer.json").write_text(json.dumps(meta))
+            save_optimizer(optimizer, tmp, "optimizer")
+        if save_extra is not None:
+            save_extra(tmp)
         save_file({k: v.detach().cpu().contiguous() for k, v in rng.items()}, str(tmp / "rng.safetensors"))
         (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=1))
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
@@ -178,15 +194,12 @@ def verify(folder: Path) -> None:
 
 
 def load_checkpoint(folder: Path) -> dict:
-    """Verified contents: {'model_dir', 'optimizer' (state_dict or None), 'rng', 'state'}."""
+    """Verified contents: {'folder', 'model_dir', 'optimizer' (state_dict or None), 'rng', 'state'}."""
     verify(folder)
-    opt = None
-    if (folder / "optimizer.safetensors").is_file():
-        meta = json.loads((folder / "optimizer.json").read_text())
-        opt = optimizer_from_flat(load_file(str(folder / "optimizer.safetensors")), meta)
     return {
+        "folder": folder,
         "model_dir": folder / "model",
-        "optimizer": opt,
+        "optimizer": load_optimizer(folder, "optimizer"),
         "rng": load_file(str(folder / "rng.safetensors")),
         "state": json.loads((folder / "state.json").read_text()),
     }

@@ -1,0 +1,96 @@
+"""PPO's critic: a separate value model, a transformers token-classification model with one
+output per position (the backbone of a causal LM plus a linear value head).
+
+A separate model rather than a head on the policy: the two are trained with their own
+optimizers and learning rates, and the policy's checkpoint and export stay a plain causal
+LM. Its checkpoint form is a Hugging Face folder, like the policy's.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+
+from regen.algorithms.gae import value_loss
+from regen.algorithms.losses import batch_denominators
+from regen.errors import UserError
+from regen.policies.lm import LMRollout
+
+
+class Critic:
+    def __init__(self, model, device: torch.device):
+        self.model = model.to(device).eval()  # dropout off, as for the policy
+        self.device = device
+
+    @classmethod
+    def load(cls, cfg, device: torch.device, folder: Path | None = None) -> Critic:
+        """From a checkpoint's critic folder, critic.path, or the policy's starting model."""
+        from transformers import AutoModelForTokenClassification
+
+        dtype = getattr(torch, cfg.model.dtype)
+        source = str(folder) if folder is not None else cfg.critic.path
+        if source is None:  # the policy's starting weights: copy its backbone under a new value head
+            from regen.policies.lm import load_model_and_tokenizer
+
+            lm, _ = load_model_and_tokenizer(cfg.model, cfg.task, cfg.run.seed)
+            conf = copy.deepcopy(lm.config)
+            conf.num_labels = 1
+            model = AutoModelForTokenClassification.from_config(conf).to(dtype)
+            missing, unexpected = model.base_model.load_state_dict(lm.base_model.state_dict(), strict=False)
+            if missing:
+                raise UserError(f"critic: cannot copy the policy's backbone into a value model (missing {missing[:3]})")
+            return cls(model, device)
+        p = Path(source).expanduser()
+        if not (p / "config.json").is_file():
+            raise UserError(f"critic.path: '{source}' is not a model folder (no config.json in it)")
+        try:
+            model = AutoModelForTokenClassification.from_pretrained(str(p), num_labels=1, dtype=dtype)
+        except (OSError, ValueError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(f"critic.path: cannot load '{source}' as a value model: {first}") from None
+        return cls(model, device)
+
+    def values(self, batch: LMRollout) -> torch.Tensor:
+        """V (B, T) of the state before each response token: read at the position whose logits
+        predict that token, so V_t scores (prompt, response[:t])."""
+        out = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                         position_ids=batch.position_ids)
+        return out.logits[:, batch.prompt_width - 1 : -1, 0].float()
+
+    @torch.no_grad()
+    def values_in_chunks(self, batch: LMRollout, chunk: int) -> torch.Tensor:
+        return torch.cat([self.values(batch.select(i)) for i in torch.arange(len(batch.completions)).split(chunk)])
+
+    def train_minibatch(
+        self, opt, batch: LMRollout, idx: torch.Tensor, micro: int, old_values: torch.Tensor,
+        returns: torch.Tensor, mask: torch.Tensor, clip: float | None, agg: str, norm: float, grad_clip: float,
+    ) -> dict[str, float]:
+        """One optimizer step on the minibatch `idx`, accumulated over micro-batches (same
+        denominators as the whole minibatch, so the loss is exactly the minibatch's)."""
+        denoms = batch_denominators(mask[idx])
+        opt.zero_grad(set_to_none=True)
+        out: dict[str, float] = {}
+        for part in idx.split(micro):
+            v = self.values(batch.select(part))
+            loss, m = value_loss(v, old_values[part], returns[part], mask[part], clip, agg, norm, denoms)
+            if not torch.isfinite(loss):
+                opt.zero_grad(set_to_none=True)
+                return {"critic/nonfinite_skipped": 1.0}
+            loss.backward()
+            w = len(part) / len(idx)
+            for k, val in m.items():
+                out[f"critic/{k}"] = out.get(f"critic/{k}", 0.0) + (1.0 if k == "value_loss" else w) * float(val)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        norm_ = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+        if not torch.isfinite(norm_):
+            opt.zero_grad(set_to_none=True)
+            return {"critic/nonfinite_skipped": 1.0}
+        opt.step()
+        out["critic/grad_norm"] = float(norm_)
+        return out
+
+    def save_pretrained(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(folder, safe_serialization=True)
