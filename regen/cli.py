@@ -1,4 +1,4 @@
-"""`regen` command line: train | sft | eval | export | serve-reward | rewards.
+"""`regen` command line: train | sft | eval | export | serve-reward | rewards | report | status.
 
 User errors (bad config, data, paths, checkpoints) print one line `error: ...` and exit 2;
 anything else is a bug and keeps its traceback.
@@ -7,7 +7,6 @@ anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import textwrap
 from pathlib import Path
@@ -63,25 +62,48 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     ev = sub.add_parser(
-        "eval", help="Sample and score a model on held-out prompts.",
-        description="Sample completions for held-out prompts and report accuracy (exact match against\n"
-        "each row's 'answer') and the mean reward. Prints one JSON object.",
+        "eval", help="Score a checkpoint, a run or a model on held-out prompts.",
+        description="Sample completions for held-out prompts, score them with rewards and report accuracy\n"
+        "(exact match against each row's 'answer'), the mean reward of each term and the length.\n"
+        "SOURCE is a run directory (its newest valid checkpoint, else its export/), a checkpoint\n"
+        "folder (LoRA adapters are merged into their base), a model folder, or a hub id.\n"
+        "For a run or one of its checkpoints, the run's config.yaml gives the held-out data, the\n"
+        "reward terms (weights, args) and the eval settings; flags override them. Prints a table\n"
+        "and writes a JSON file (metrics, settings, every sample) to --out, by default\n"
+        "RUN/eval/eval_<checkpoint>.json for a run or checkpoint.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ev.add_argument("--model", required=True, help="Model folder (an export/ or a checkpoint's model/), or hub id.")
-    ev.add_argument("--data", default="builtin:arithmetic:test", help="Prompts: JSONL file or builtin:arithmetic:test (default).")
-    ev.add_argument("--num-prompts", type=int, default=500, help="Evaluate the first N prompts (default 500).")
-    ev.add_argument("--samples-per-prompt", type=int, default=4, help="Completions per prompt (default 4).")
-    ev.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature (default 1.0).")
-    ev.add_argument("--top-p", type=float, default=1.0, help="Nucleus threshold (default 1.0 = off).")
-    ev.add_argument("--max-new-tokens", type=int, default=8, help="Completion length cap (default 8).")
+    ev.add_argument("source", nargs="?", metavar="SOURCE",
+                    help="Run directory, checkpoint folder, model folder or hub id.")
+    ev.add_argument("--model", help="Same as SOURCE (kept for scripts written before SOURCE existed).")
+    ev.add_argument("--config", help="Config YAML whose data.eval, reward and eval settings to use "
+                    "(default: the run's config.yaml when SOURCE is in a run directory).")
+    ev.add_argument("--data", help="Prompts: JSONL file or builtin:arithmetic:test (default: the config's "
+                    "data.eval, else builtin:arithmetic:test).")
+    ev.add_argument("--num-prompts", type=int,
+                    help="Evaluate the first N prompts (default: eval.num_prompts, else 500).")
+    ev.add_argument("--samples-per-prompt", type=int,
+                    help="Completions per prompt (default: eval.samples_per_prompt, else 4).")
+    ev.add_argument("--temperature", type=float,
+                    help="Sampling temperature (default: eval.temperature or rollout.temperature, else 1.0).")
+    ev.add_argument("--top-p", type=float, help="Nucleus threshold (default: rollout.top_p, else 1.0 = off).")
+    ev.add_argument("--max-new-tokens", type=int,
+                    help="Completion length cap (default: rollout.max_new_tokens, else 8).")
     ev.add_argument("--greedy", action="store_true", help="Decode greedily (one completion per prompt).")
     ev.add_argument("--reward", action="append", default=None, metavar="NAME",
-                    help="Also report the mean of this reward (repeatable; registered name or module:function).")
-    ev.add_argument("--seed", type=int, default=0, help="Sampling seed (default 0).")
-    ev.add_argument("--digits", type=int, default=2, help="Operand digits of the built-in arithmetic task (default 2).")
-    ev.add_argument("--test-size", type=int, default=500, help="Held-out size of the built-in task (default 500).")
+                    help="Score with this reward (repeatable; registered name or module:function); replaces the "
+                    "config's reward terms.")
+    ev.add_argument("--seed", type=int, help="Sampling seed (default: run.seed, else 0).")
+    ev.add_argument("--digits", type=int,
+                    help="Operand digits of the built-in arithmetic task (default: task.digits, else 2).")
+    ev.add_argument("--test-size", type=int,
+                    help="Held-out size of the built-in task (default: task.test_size, else 500).")
     ev.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="Device (default auto).")
+    ev.add_argument("--show", type=int, default=0, metavar="N",
+                    help="Also print the first N samples with their rewards.")
+    ev.add_argument("--out", metavar="FILE", help="Write the JSON result here (default: "
+                    "RUN/eval/eval_<checkpoint>.json for a run or checkpoint; otherwise only printed).")
+    ev.add_argument("--json", action="store_true", help="Print the JSON result instead of the table.")
 
     ex = sub.add_parser(
         "export", help="Write a checkpoint as a Hugging Face model folder.",
@@ -115,6 +137,33 @@ def build_parser() -> argparse.ArgumentParser:
                     help="Requests scored at once; beyond that 429 + Retry-After (default 4).")
     sv.add_argument("--cache-size", type=int, default=0, help="LRU cache of results by sample content (default 0: off).")
     sv.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+
+    rp = sub.add_parser(
+        "report", help="Write a self-contained HTML report of one or several runs.",
+        description="Write one self-contained HTML file (nothing fetched when viewed: inline SVG charts,\n"
+        "sample images embedded) showing, for each run: state (finished / in progress / stopped /\n"
+        "crashed), model, algorithm and config; reward mean +- std and each reward part, KL,\n"
+        "clip fraction, entropy, response length, throughput, the time of each step by stage,\n"
+        "eval/* curves; alerts on a timeline and in a table; the checkpoints (step, healthy,\n"
+        "size, time); and the evaluation samples of samples/ (text, images, videos) with their\n"
+        "reward, the first and last evaluation side by side. Several runs are overlaid, one\n"
+        "colour each, and the x axis switches between steps, samples seen and wall-clock.\n"
+        "Works on a run still training; problems reading a run are listed in the report.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    rp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="Run directories (each holds metrics.jsonl).")
+    rp.add_argument("-o", "--out", metavar="FILE",
+                    help="Output file (default RUN_DIR/report.html for one run, ./report.html for several).")
+    st = sub.add_parser(
+        "status", help="Print where a run stands: step, reward trend, eval, alerts, checkpoint, alive.",
+        description="Print a few lines on a run: latest step of train.steps, the reward trend (mean of\n"
+        "the last 10 steps against the 10 before, with an arrow; the loss for SFT), the latest\n"
+        "eval metrics, the last 5 alerts, the newest checkpoint and its age, and whether the run\n"
+        "is alive: its process (from run.json) still runs on this host; from another host, how\n"
+        "long ago the last metrics row was written.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    st.add_argument("run_dir", metavar="RUN_DIR", help="Run directory.")
 
     sub.add_parser("rewards", help="List the registered reward functions.",
                    description="List registered reward names with the first line of their documentation.")
@@ -215,33 +264,9 @@ def _print_summary(summary: dict) -> None:
 
 
 def cmd_eval(args) -> int:
-    from regen.config import ModelConfig, TaskConfig
-    from regen.data import load_prompts
-    from regen.evaluate import evaluate
-    from regen.policies.lm import LMPolicy, load_model_and_tokenizer, resolve_device
-    from regen.rewards import CombinedReward
+    from regen.eval_cli import cmd_eval as run_eval_verb  # the verb's logic lives in its own module
 
-    for flag in ("num_prompts", "samples_per_prompt", "max_new_tokens"):
-        if getattr(args, flag) < 1:
-            raise UserError(f"--{flag.replace('_', '-')} must be at least 1")
-    if args.temperature <= 0 or not 0 < args.top_p <= 1:
-        raise UserError("--temperature must be > 0 and --top-p in (0, 1]")
-    task = TaskConfig(digits=args.digits, test_size=args.test_size)
-    items = load_prompts(args.data, task, "--data")[: args.num_prompts]
-    model, tok = load_model_and_tokenizer(ModelConfig(path=args.model), task, args.seed)
-    policy = LMPolicy(model, tok, resolve_device(args.device))
-    policy.model.eval()
-    reward = None
-    if args.reward:
-        from regen.config import RewardTerm
-
-        reward = CombinedReward.from_config([RewardTerm(name=n) for n in args.reward])
-    out = evaluate(
-        policy, items, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
-        samples_per_prompt=args.samples_per_prompt, seed=args.seed, greedy=args.greedy, reward=reward,
-    )
-    print(json.dumps({"model": args.model, "prompts": len(items), **out}))
-    return 0
+    return run_eval_verb(args)
 
 
 def cmd_export(args) -> int:
@@ -278,6 +303,20 @@ def cmd_export(args) -> int:
     else:
         shutil.copytree(folder / "model", out, dirs_exist_ok=True)
     print(f"exported {folder} to {out}")
+    return 0
+
+
+def cmd_report(args) -> int:
+    from regen.report import make_report
+
+    print(f"report written to {make_report(args.run_dirs, args.out)}")
+    return 0
+
+
+def cmd_status(args) -> int:
+    from regen.report.status import status_text
+
+    print(status_text(args.run_dir))
     return 0
 
 
@@ -322,5 +361,5 @@ def cmd_serve_reward(args) -> int:
 
 VERBS = {
     "train": cmd_train, "sft": cmd_sft, "eval": cmd_eval, "export": cmd_export,
-    "serve-reward": cmd_serve_reward, "rewards": cmd_rewards,
+    "serve-reward": cmd_serve_reward, "rewards": cmd_rewards, "report": cmd_report, "status": cmd_status,
 }

@@ -248,12 +248,45 @@ class HealthConfig(Section):
     webhook_url: str | None = Field(None, description="POST every alert as JSON to this URL (in the background).")
 
 
+class WandbSettings(Section):
+    project: str = Field(description="W&B project the run is logged into.")
+    entity: str | None = Field(None, description="W&B team or user; null = the default entity of the API key.")
+    name: str | None = Field(None, description="Run name shown in W&B; null = the run directory's name.")
+    mode: Literal["online", "offline"] = Field("online", description="'online' needs WANDB_API_KEY in the "
+                                               "environment; 'offline' writes RUN_DIR/wandb/ only (`wandb sync`).")
+    tags: list[str] = Field(default_factory=list, description="Tags of the W&B run.")
+
+
+class MlflowSettings(Section):
+    tracking_uri: str | None = Field(
+        None, description="Tracking server or store ('http://host:5000', 'databricks', 'file:///abs/mlruns'); null = "
+        "$MLFLOW_TRACKING_URI or MLflow's default. Credentials: MLFLOW_TRACKING_TOKEN or _USERNAME/_PASSWORD only."
+    )
+    experiment: str = Field("regen", description="MLflow experiment (created when missing).")
+    run_name: str | None = Field(None, description="Run name; null = the run directory's name.")
+
+    @model_validator(mode="after")
+    def _no_credentials(self) -> MlflowSettings:
+        from regen.runtime.loggers import holds_credentials
+
+        if self.tracking_uri and holds_credentials(self.tracking_uri):  # the message never repeats the secret
+            raise ValueError("tracking_uri must not hold credentials: set MLFLOW_TRACKING_TOKEN or "
+                             "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD in the environment instead")
+        return self
+
+
 class LogConfig(Section):
     tensorboard: bool = Field(True, description="Write TensorBoard event files into the run directory.")
     progress: Literal["auto", "bar", "lines", "none"] = Field(
         "auto", description="'auto': a live bar on a terminal, a line every log.every steps otherwise."
     )
     every: int = Field(10, ge=1, description="Steps between printed lines when the bar is off.")
+    wandb: WandbSettings | None = Field(None, description="Also log to Weights & Biases (pip install 'regen[wandb]'): "
+                                        "{project, entity, name, mode: online|offline, tags}: the config (secrets "
+                                        "redacted), every metrics row; a resume continues the W&B run. null = off.")
+    mlflow: MlflowSettings | None = Field(None, description="Also log to MLflow (pip install 'regen[mlflow]'): "
+                                          "{tracking_uri, experiment, run_name}: the config (secrets redacted) as "
+                                          "params, every metrics row; a resume continues the MLflow run. null = off.")
 
 
 # --------------------------------------------------------------------------- roots

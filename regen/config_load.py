@@ -159,7 +159,8 @@ def incompatible_changes(saved: dict, current: dict, prefix: str = "") -> list[s
         a, b = saved.get(key), current.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
             out += incompatible_changes(a, b, dotted + ".")
-        elif a != b and not dotted.startswith(RESUME_FREE):
+        # "<redacted>" cannot be compared (checkpoints written before max_new_tokens stopped being redacted)
+        elif a != b and not dotted.startswith(RESUME_FREE) and "<redacted>" not in (a, b):
             out.append(f"{dotted}: {a!r} -> {b!r}")
     return out
 
@@ -171,13 +172,19 @@ def config_hash(tree: dict) -> str:
 def redact(tree: Any) -> Any:
     """Copy of a config tree with values of secret-looking keys replaced (never written to disk)."""
     if isinstance(tree, dict):
-        return {
-            k: ("<redacted>" if any(w in str(k).lower() for w in SECRET_WORDS) and v else redact(v))
-            for k, v in tree.items()
-        }
+        return {k: ("<redacted>" if _secret(str(k), v) and v else redact(v)) for k, v in tree.items()}
     if isinstance(tree, list):
         return [redact(v) for v in tree]
     return tree
+
+
+def _secret(key: str, value: Any) -> bool:
+    # 'max_new_tokens: 8' counts tokens: a number under a '...tokens' key is no credential (and
+    # redacting it made config.yaml unloadable); 'auth_tokens: [...]' still is one
+    k = key.lower()
+    if any(w in k.replace("tokens", "") for w in SECRET_WORDS):
+        return True
+    return "tokens" in k and not isinstance(value, (int, float))
 
 
 def dump_config(cfg: BaseModel, path: Path) -> None:

@@ -19,10 +19,11 @@ from regen.data import Demo, EpochSampler, load_pairs, load_prompts
 from regen.evaluate import fmt_eval, run_eval
 from regen.policies.lm import LMPolicy, apply_lora, load_model_and_tokenizer, max_positions, resolve_device
 from regen.runtime import checkpoint as ckpt
+from regen.runtime.loggers import require as require_loggers
 from regen.runtime.metrics import MetricsLogger
 from regen.runtime.optim import lr_at, make_optimizer, set_lr
 from regen.runtime.progress import StepProgress
-from regen.runtime.rundir import prepare, setup_torch
+from regen.runtime.rundir import mark_closed, mark_running, prepare, setup_torch
 from regen.sft import IGNORE, encode_demos
 
 
@@ -56,6 +57,7 @@ def preference_accuracy(model, enc_c, enc_r) -> float:
 def train_dpo(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
     a, t = cfg.algorithm, cfg.train
     device = resolve_device(cfg.run.device)
+    require_loggers(cfg.log)  # W&B / MLflow installed when turned on
     skip = cfg.data.on_bad_line == "skip"
     pairs = load_pairs(cfg.data.train, cfg.task, "data.train", skip, cfg.data.columns)
     held_pairs = load_pairs(cfg.data.eval, cfg.task, "data.eval", skip, cfg.data.columns) if cfg.data.eval else []
@@ -81,16 +83,17 @@ def train_dpo(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
     data = EpochSampler(len(pairs), cfg.run.seed)
     step0 = ckpt.restore(state, run_dir, opt, data) if state is not None else 0
     dump_config(cfg, run_dir / "config.yaml")
-    log = MetricsLogger(run_dir, cfg.log.tensorboard)
+    mark_running(run_dir)  # run.json, for `regen status`
+    log = MetricsLogger(run_dir, cfg.log, config=cfg, resume=state is not None)
     params = [p for p in policy.model.parameters() if p.requires_grad]
 
-    def evaluate_all() -> dict[str, float]:
-        out = run_eval(policy, eval_items, cfg, None) if eval_items else {}
+    def evaluate_all(step: int) -> dict[str, float]:
+        out = run_eval(policy, eval_items, cfg, None, run_dir, step) if eval_items else {}
         if held is not None:
             out["eval/preference_accuracy"] = preference_accuracy(policy.model, *held)
         return out
 
-    before = evaluate_all() if step0 == 0 else {}
+    before = evaluate_all(0) if step0 == 0 else {}
     if before:
         log.log(0, before)
     with StepProgress(t.steps, step0, cfg.log.progress, cfg.log.every, "dpo") as bar:
@@ -113,16 +116,17 @@ def train_dpo(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
             metrics = {k: float(v) for k, v in m.items()} | {
                 "grad_norm": float(gn), "lr": lr, "time/step_s": dt, "throughput/pairs_per_s": len(idx) / dt}
             if cfg.eval.every and step % cfg.eval.every == 0 and step != t.steps:
-                metrics.update(evaluate_all())
+                metrics.update(evaluate_all(step))
             log.log(step, metrics)
             bar.update(step, f"loss {metrics['loss']:.3f}  acc {metrics['rewards/accuracy']:.2f}")
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != t.steps:
                 ckpt.save_offline(run_dir, step, policy, opt, data, cfg.checkpoint.keep_last)
         last = ckpt.save_offline(run_dir, t.steps, policy, opt, data, cfg.checkpoint.keep_last)
-        after = evaluate_all()
+        after = evaluate_all(t.steps)
         if after:
             log.log(t.steps, after)
     log.close()
+    mark_closed(run_dir, "finished")
     policy.export(run_dir / "export")
     return {"eval_before": before, "eval_after": after, "checkpoint": str(last), "export": str(run_dir / "export")}
 

@@ -1,6 +1,14 @@
-"""Held-out evaluation: sample completions for prompts never trained on and score them."""
+"""Held-out evaluation: sample completions for prompts never trained on and score them.
+
+`run_eval` can also keep the first few evaluated samples in the run directory
+(samples/step_NNNNNNNN.jsonl) so a report shows what the model wrote, not only its numbers."""
 
 from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
 
 import torch
 
@@ -9,6 +17,7 @@ from regen.rewards import CombinedReward, Sample
 from regen.rewards.builtin import exact_match
 
 EVAL_SEED_OFFSET = 7919  # eval draws from its own stream so it never shifts the training RNG
+SAMPLES_KEPT = 16  # rows written per evaluation: enough to read, small enough for any run length
 
 
 @torch.no_grad()
@@ -29,6 +38,30 @@ def evaluate(
     `reward` (the mean combined reward, when one is given) and `length` (mean completion
     characters). The same seed gives the same sampling noise, so before/after numbers of a
     run are compared on equal terms."""
+    return evaluate_with_samples(
+        policy, items, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+        samples_per_prompt=samples_per_prompt, batch_size=batch_size, seed=seed, greedy=greedy, reward=reward,
+    )[0]
+
+
+@torch.no_grad()
+def evaluate_with_samples(
+    policy,
+    items: list[PromptItem],
+    *,
+    temperature: float,
+    top_p: float,
+    max_new_tokens: int,
+    samples_per_prompt: int = 1,
+    batch_size: int = 256,
+    seed: int = 0,
+    greedy: bool = False,
+    reward: CombinedReward | None = None,
+    keep: int = SAMPLES_KEPT,
+) -> tuple[dict[str, float], list[dict]]:
+    """`evaluate`, plus the first `keep` samples as JSON rows: prompt, completion, reward
+    (combined; null when missing or when no reward is given), answer (when the prompt row
+    has one) with `correct` (exact match), and finished (ended with EOS)."""
     gen = torch.Generator(device=policy.device).manual_seed(seed + EVAL_SEED_OFFSET)
     n = 1 if greedy else samples_per_prompt
     samples: list[Sample] = []
@@ -40,30 +73,60 @@ def evaluate(
             Sample(chunk[i // n].prompt, ro.completions[i], chunk[i // n].meta, fin[i]) for i in range(len(fin))
         ]
     out = {"length": sum(len(s.completion) for s in samples) / max(len(samples), 1)}
+    correct = exact_match(samples)
     if items and all("answer" in it.meta for it in items):
-        out["accuracy"] = sum(exact_match(samples)) / len(samples)
+        out["accuracy"] = sum(correct) / len(samples)
+    total: list = [None] * len(samples)
     if reward is not None:
         total, _ = reward(samples)
         finite = [t for t in total if t == t]
         out["reward"] = sum(finite) / len(finite) if finite else float("nan")
-    return out
+    rows = []
+    for s, t, c in list(zip(samples, total, correct))[:keep]:
+        row = {"prompt": s.prompt, "completion": s.completion,
+               "reward": float(t) if t is not None and math.isfinite(t) else None}
+        if "answer" in s.meta:
+            row |= {"answer": s.meta["answer"], "correct": bool(c)}
+        rows.append(row | {"finished": bool(s.finished)})
+    return out, rows
 
 
-def run_eval(policy, items: list[PromptItem], cfg, reward: CombinedReward | None) -> dict[str, float]:
-    """Evaluate with the run's eval/rollout settings; keys prefixed 'eval/'."""
+def run_eval(
+    policy, items: list[PromptItem], cfg, reward: CombinedReward | None,
+    run_dir: Path | None = None, step: int | None = None,
+) -> dict[str, float]:
+    """Evaluate with the run's eval/rollout settings; keys prefixed 'eval/'. Given a run
+    directory and step, the first samples go to run_dir/samples/step_NNNNNNNN.jsonl."""
     e, r = cfg.eval, cfg.rollout
     common = dict(top_p=r.top_p, max_new_tokens=r.max_new_tokens, batch_size=e.batch_size, seed=cfg.run.seed)
     items = items[: e.num_prompts]
-    sampled = evaluate(
+    sampled, rows = evaluate_with_samples(
         policy, items, temperature=e.temperature or r.temperature, samples_per_prompt=e.samples_per_prompt,
         reward=reward, **common,
     )
+    if run_dir is not None and step is not None:
+        write_samples(Path(run_dir), step, rows)
     out = {f"eval/{k}": v for k, v in sampled.items()}
     if e.greedy:
         greedy = evaluate(policy, items, temperature=1.0, greedy=True, **common)
         if "accuracy" in greedy:
             out["eval/greedy_accuracy"] = greedy["accuracy"]
     return out
+
+
+def samples_path(run_dir: Path, step: int) -> Path:
+    return run_dir / "samples" / f"step_{step:08d}.jsonl"
+
+
+def write_samples(run_dir: Path, step: int, rows: list[dict]) -> Path:
+    """Write under a temporary name and rename, so a report made during training never reads
+    half a file; a resumed run that redoes a step replaces that step's file."""
+    path = samples_path(run_dir, step)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{path.name}")
+    tmp.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+    os.replace(tmp, path)
+    return path
 
 
 def fmt_eval(m: dict[str, float]) -> str:

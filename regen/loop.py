@@ -225,7 +225,7 @@ def train(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
         run.close()
         return {**summary, "export": str(run.run_dir / "export")}
     if run.eval_items and run.start_step == 0:
-        summary["eval_before"] = run_eval(policy, run.eval_items, cfg, reward)
+        summary["eval_before"] = run_eval(policy, run.eval_items, cfg, reward, run.run_dir, 0)
         run.log.log(0, summary["eval_before"])
     with StepProgress(cfg.train.steps, run.start_step, cfg.log.progress, cfg.log.every, cfg.algorithm.name) as bar, \
             GracefulStop(bar.print) as stop:
@@ -291,7 +291,7 @@ def train(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
             metrics.update(reward.stats())
             metrics.update(dyn)
             if run.eval_items and cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
-                metrics.update(run_eval(policy, run.eval_items, cfg, reward))
+                metrics.update(run_eval(policy, run.eval_items, cfg, reward, run.run_dir, step))
             run.log.log(step, metrics)
             bar.update(step, f"reward {metrics['reward/mean']:.3f}  {metrics['throughput/samples_per_s']:.0f} samples/s")
 
@@ -315,7 +315,7 @@ def train(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
         if summary["checkpoint"] is None:
             raise UserError(f"the final checkpoint could not be written to {run.run_dir} (see alerts.jsonl)")
         if run.eval_items and not summary["stopped_early"]:
-            summary["eval_after"] = run_eval(policy, run.eval_items, cfg, reward)
+            summary["eval_after"] = run_eval(policy, run.eval_items, cfg, reward, run.run_dir, step)
             run.log.log(step, summary["eval_after"])
     scorer.shutdown()
     summary["export"] = str(run.run_dir / "export")

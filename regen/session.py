@@ -18,9 +18,10 @@ from regen.rewards import CombinedReward
 from regen.runtime import checkpoint as ckpt
 from regen.runtime.alerts import Alerts
 from regen.runtime.health import HealthMonitor
+from regen.runtime.loggers import require as require_loggers
 from regen.runtime.metrics import MetricsLogger
 from regen.runtime.optim import make_optimizer
-from regen.runtime.rundir import prepare, setup_torch, versions
+from regen.runtime.rundir import end_status, mark_closed, mark_running, prepare, setup_torch, versions
 
 
 @dataclass
@@ -47,6 +48,7 @@ class Session:
     def start(cls, cfg: RLConfig, resume: bool = False, force: bool = False) -> "Session":
         # Check everything the user gave before touching the run directory.
         device = resolve_device(cfg.run.device)
+        require_loggers(cfg.log)  # W&B / MLflow installed when turned on
         reward = CombinedReward.from_config(cfg.reward)
         skip = cfg.data.on_bad_line == "skip"
         prompts = load_prompts(cfg.data.train, cfg.task, "data.train", skip, cfg.data.columns)
@@ -84,8 +86,11 @@ class Session:
             if "health" in state["state"]:
                 health.load_state(state["state"]["health"])
         dump_config(cfg, run_dir / "config.yaml")
+        mark_running(run_dir)  # run.json: `regen status` tells a live run from a dead one
         return cls(cfg, run_dir, policy, opt, data, gen, reward, prompts, eval_items,
-                   MetricsLogger(run_dir, cfg.log.tensorboard), alerts, health, start_step,
+                   MetricsLogger(run_dir, cfg.log, config=cfg, resume=state is not None,
+                                 warn=lambda step, m: alerts.fire(step, "logger_failed", m)),
+                   alerts, health, start_step,
                    state["state"].get("reward_versions") if state else None, mirror, critic, critic_opt)
 
     def save(self, step: int) -> Path | None:
@@ -145,6 +150,7 @@ class Session:
         if self.mirror is not None:
             self.mirror.close()  # waits for the uploads still in flight
         self.alerts.flush()
+        mark_closed(self.run_dir, end_status(self.run_dir, self.cfg.train.steps))
 
 
 def _load_policy_model(cfg: RLConfig, state: dict | None):

@@ -15,10 +15,11 @@ from regen.errors import DataError
 from regen.evaluate import run_eval
 from regen.policies.lm import LMPolicy, load_model_and_tokenizer, max_positions, resolve_device
 from regen.runtime import checkpoint as ckpt
+from regen.runtime.loggers import require as require_loggers
 from regen.runtime.metrics import MetricsLogger
 from regen.runtime.optim import lr_at, make_optimizer, set_lr
 from regen.runtime.progress import StepProgress
-from regen.runtime.rundir import prepare, setup_torch
+from regen.runtime.rundir import mark_closed, mark_running, prepare, setup_torch
 
 IGNORE = -100
 
@@ -44,6 +45,7 @@ def encode_demos(demos: list[Demo], tok, max_len: int) -> tuple[torch.Tensor, to
 
 def sft(cfg: SFTConfig, resume: bool = False) -> dict:
     device = resolve_device(cfg.run.device)
+    require_loggers(cfg.log)  # W&B / MLflow installed when turned on
     demos = load_demos(cfg.data.train, cfg.task, "data.train", cfg.data.on_bad_line == "skip", cfg.data.columns)
     skip_bad = cfg.data.on_bad_line == "skip"
     eval_items = load_prompts(cfg.data.eval, cfg.task, "data.eval", skip_bad, cfg.data.columns) if cfg.data.eval else []
@@ -58,7 +60,8 @@ def sft(cfg: SFTConfig, resume: bool = False) -> dict:
     data = EpochSampler(len(demos), cfg.run.seed)
     start_step = ckpt.restore(state, run_dir, opt, data) if state else 0
     dump_config(cfg, run_dir / "config.yaml")
-    log = MetricsLogger(run_dir, cfg.log.tensorboard)
+    mark_running(run_dir)  # run.json, for `regen status`
+    log = MetricsLogger(run_dir, cfg.log, config=cfg, resume=state is not None)
     params = [p for p in policy.model.parameters() if p.requires_grad]
     s = cfg.sft
 
@@ -89,7 +92,7 @@ def sft(cfg: SFTConfig, resume: bool = False) -> dict:
                        "throughput/samples_per_s": s.global_batch_size / dt}
             if eval_items and cfg.eval.every and step % cfg.eval.every == 0 and step != s.steps:
                 policy.model.eval()
-                metrics.update(run_eval(policy, eval_items, cfg, None))
+                metrics.update(run_eval(policy, eval_items, cfg, None, run_dir, step))
                 policy.model.train()
             log.log(step, metrics)
             rate = s.global_batch_size * (step - start_step) / (time.perf_counter() - t_start)
@@ -98,10 +101,11 @@ def sft(cfg: SFTConfig, resume: bool = False) -> dict:
                 save(step)
         last = save(s.steps)
         policy.model.eval()
-        after = run_eval(policy, eval_items, cfg, None) if eval_items else {}
+        after = run_eval(policy, eval_items, cfg, None, run_dir, s.steps) if eval_items else {}
         if after:
             log.log(s.steps, after)
     log.close()
+    mark_closed(run_dir, "finished")
     export_dir = run_dir / "export"
     policy.save_pretrained(export_dir)
     return {"eval_after": after, "checkpoint": str(last), "export": str(export_dir)}

@@ -63,9 +63,10 @@ def test_eval_and_export(base_model, tmp_path, capsys):
     import json
 
     assert main(["eval", "--model", str(base_model), "--num-prompts", "20", "--samples-per-prompt", "2",
-                 "--reward", "format"]) == 0
+                 "--reward", "format", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["prompts"] == 20 and 0.0 <= out["accuracy"] <= 1.0 and "reward" in out
+    m = out["metrics"]
+    assert out["settings"]["num_prompts"] == 20 and 0.0 <= m["accuracy"] <= 1.0 and "reward" in m
     run = base_model.parent
     assert main(["export", str(run), "--out", str(tmp_path / "exp")]) == 0
     assert (tmp_path / "exp" / "config.json").is_file() and (tmp_path / "exp" / "tokenizer.json").is_file()

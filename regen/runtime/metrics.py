@@ -1,14 +1,36 @@
-"""Metrics sinks: metrics.jsonl (one object per step) and TensorBoard event files."""
+"""Metrics sinks: metrics.jsonl (one object per step), TensorBoard event files, and the
+optional trackers of regen.runtime.loggers (Weights & Biases, MLflow) that every row fans
+out to."""
 
 from __future__ import annotations
 
 import json
 import math
+import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+from regen.runtime.loggers import open_sinks, scrub_message
+
+
+def _stderr_warning(step: int, message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, tensorboard: bool = True):
+    """`log` is a LogConfig (tensorboard + trackers) or, as before, a bool for TensorBoard
+    alone. `config` is the run's config tree or model (trackers get it redacted), `resume`
+    continues the trackers' runs recorded in loggers.json, and `warn(step, message)` reports a
+    tracker that failed mid-run (the RL loop passes its alerts; the default prints)."""
+
+    def __init__(self, run_dir: Path, log: Any = True, *, config: Any = None, resume: bool = False,
+                 warn: Callable[[int, str], None] | None = None):
+        tensorboard = log if isinstance(log, bool) else log.tensorboard
+        self._warn = warn or _stderr_warning
+        # trackers first: one that cannot start is an error before any file is opened
+        self._sinks = [] if isinstance(log, bool) else open_sinks(run_dir, log, config, resume)
+        self._last_step = 0
         self.path = run_dir / "metrics.jsonl"
         self._file = self.path.open("a", encoding="utf-8")
         self._tb = None
@@ -21,15 +43,33 @@ class MetricsLogger:
         row = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
+        finite = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
         if self._tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)) and math.isfinite(v):
-                    self._tb.add_scalar(k, v, step)
+            for k, v in finite.items():
+                self._tb.add_scalar(k, v, step)
+        self._last_step = step
+        for sink in list(self._sinks):
+            try:
+                if finite:
+                    sink.log(step, finite)
+            except Exception as e:  # a tracker never stops training: one warning, then without it
+                self._drop(sink, step, e)
+
+    def _drop(self, sink, step: int, error: BaseException) -> None:
+        self._sinks.remove(sink)
+        sink.abandon()
+        self._warn(step, f"{sink.name} logging failed, continuing without it: {scrub_message(error)}")
 
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+        for sink in list(self._sinks):
+            try:
+                sink.close()
+                self._sinks.remove(sink)
+            except Exception as e:
+                self._drop(sink, self._last_step, e)
 
 
 def _clean(v):

@@ -1,0 +1,266 @@
+"""`regen eval`: score a checkpoint, a run or an exported model on held-out prompts.
+
+SOURCE is one of
+  - a run directory: its newest valid checkpoint, else its export/; settings from its config.yaml
+  - a checkpoint folder (RUN/checkpoints/step_NNNNNNNN): verified, LoRA adapters merged into
+    their base; settings from the run's config.yaml when it sits in a run directory
+  - a model folder (an export/, any Hugging Face causal LM) or a hub id: built-in defaults
+Flags given on the command line win over the config's settings. The result (metrics, the
+settings used, every sample) goes to --out, by default RUN/eval/eval_<checkpoint>.json.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from regen.errors import UserError
+
+# The defaults `regen eval` always had, used when no config gives a value.
+DEFAULTS = {"data": "builtin:arithmetic:test", "num_prompts": 500, "samples_per_prompt": 4, "temperature": 1.0,
+            "top_p": 1.0, "max_new_tokens": 8, "seed": 0, "digits": 2, "test_size": 500, "batch_size": 256,
+            "also_greedy": False, "columns": {}}
+FLAGS = ("data", "num_prompts", "samples_per_prompt", "temperature", "top_p", "max_new_tokens", "seed",
+         "digits", "test_size")
+
+
+@dataclass
+class Source:
+    model_dir: Path | str  # HF folder, LoRA adapter folder, or hub id
+    label: str  # checkpoint name ('step_00000300'), 'export', or the folder's name
+    run_dir: Path | None  # where config.yaml is read and eval/ is written
+
+
+def resolve_source(src: str) -> Source:
+    from regen.policies.lm import _looks_local
+    from regen.runtime import checkpoint as ckpt
+
+    p = Path(src).expanduser()
+    if not p.exists():
+        if _looks_local(src):
+            raise UserError(f"eval: '{src}' not found")
+        return Source(src, src.replace("/", "_"), None)  # a hub id, where a network exists
+    if not p.is_dir():
+        raise UserError(f"eval: '{src}' is a file, not a run directory, checkpoint or model folder")
+    if (p / "manifest.json").is_file():  # one checkpoint
+        ckpt.verify(p)
+        in_run = p.parent.name == "checkpoints" and (p.parent.parent / "config.yaml").is_file()
+        run = p.parent.parent if in_run else None
+        return Source(p / "model", p.name, run)
+    if (p / "checkpoints").is_dir() or (p / "config.yaml").is_file():  # a run directory
+        folder, warnings = ckpt.latest_valid(p)
+        for w in warnings:
+            print(f"warning: {w}", file=sys.stderr)
+        if folder is not None:
+            return Source(folder / "model", folder.name, p)
+        if (p / "export" / "config.json").is_file():
+            return Source(p / "export", "export", p)
+        raise UserError(f"eval: run directory '{src}' has no valid checkpoint and no export/")
+    if (p / "config.json").is_file() or (p / "adapter_config.json").is_file():
+        return Source(p, p.resolve().name, None)
+    raise UserError(f"eval: '{src}' is not a run directory, checkpoint or model folder "
+                    "(no checkpoints/, manifest.json or config.json in it)")
+
+
+def load_run_config(path: Path, max_new_tokens: int | None):
+    """The run's config (RLConfig, or SFTConfig for an SFT run), validated like at training."""
+    from regen.config import RLConfig, SFTConfig, load_config
+
+    try:
+        tree = yaml.safe_load(path.read_text())
+    except yaml.YAMLError:
+        tree = None  # load_config below names the problem
+    tree = tree if isinstance(tree, dict) else {}
+    overrides = []
+    # config.yaml written before redact() learned that a count of tokens is no secret
+    if (tree.get("rollout") or {}).get("max_new_tokens") == "<redacted>":
+        if max_new_tokens is None:
+            raise UserError(f"eval: '{path}' has rollout.max_new_tokens redacted (written by an older regen); "
+                            "pass --max-new-tokens N")
+        overrides.append(f"rollout.max_new_tokens={max_new_tokens}")
+    return load_config(SFTConfig if "sft" in tree else RLConfig, str(path), overrides)
+
+
+def settings(args, cfg) -> tuple[dict[str, Any], list]:
+    """(sampling settings, reward terms): flags, else the config's, else DEFAULTS."""
+    from regen.config import RewardTerm
+
+    s = dict(DEFAULTS)
+    terms: list = []
+    if cfg is not None:
+        e, r = cfg.eval, cfg.rollout
+        s |= {"num_prompts": e.num_prompts, "samples_per_prompt": e.samples_per_prompt,
+              "temperature": e.temperature or r.temperature, "top_p": r.top_p, "max_new_tokens": r.max_new_tokens,
+              "seed": cfg.run.seed, "digits": cfg.task.digits, "test_size": cfg.task.test_size,
+              "batch_size": e.batch_size, "also_greedy": e.greedy, "columns": getattr(cfg.data, "columns", {})}
+        if cfg.data.eval is None and args.data is None:
+            raise UserError("eval: the config has data.eval: null; pass --data with the held-out prompts")
+        s["data"] = cfg.data.eval or s["data"]
+        terms = list(getattr(cfg, "reward", []))
+    for flag in FLAGS:
+        if getattr(args, flag) is not None:
+            s[flag] = getattr(args, flag)
+    if args.reward:  # rewards named on the command line replace the config's
+        terms = [RewardTerm(name=n) for n in args.reward]
+    for flag in ("num_prompts", "samples_per_prompt", "max_new_tokens"):
+        if s[flag] < 1:
+            raise UserError(f"--{flag.replace('_', '-')} must be at least 1")
+    if s["temperature"] <= 0 or not 0 < s["top_p"] <= 1:
+        raise UserError("--temperature must be > 0 and --top-p in (0, 1]")
+    for i, t in enumerate(terms):  # config.yaml is written redacted: such an arg cannot be used
+        for k, v in t.args.items():
+            if v == "<redacted>":
+                raise UserError(f"eval: reward.{i}.args.{k} is redacted in the run's config.yaml; pass --config "
+                                "with the original file, or --reward")
+    return s, terms
+
+
+def load_policy(source: Source, task, seed: int, device: str):
+    from regen.config import ModelConfig
+    from regen.policies.lm import LMPolicy, load_model_and_tokenizer, resolve_device
+
+    d = source.model_dir
+    if isinstance(d, Path) and (d / "adapter_config.json").is_file():  # LoRA: merge into its base
+        try:
+            from peft import AutoPeftModelForCausalLM
+            from transformers import AutoTokenizer
+        except ImportError:
+            raise UserError("eval: this checkpoint holds a LoRA adapter; merging it needs peft "
+                            "(pip install 'regen[lora]')") from None
+        try:
+            model = AutoPeftModelForCausalLM.from_pretrained(str(d)).merge_and_unload()
+            tok = AutoTokenizer.from_pretrained(str(d))
+        except (OSError, ValueError) as e:
+            raise UserError(f"eval: cannot load the adapter's base model: {str(e).splitlines()[0]}") from None
+        if tok.pad_token_id is None:
+            tok.pad_token = tok.eos_token
+    else:
+        model, tok = load_model_and_tokenizer(ModelConfig(path=str(d)), task, seed)
+    policy = LMPolicy(model, tok, resolve_device(device))
+    policy.model.eval()
+    return policy
+
+
+class _PartsRecorder:
+    """The combined reward, keeping each term's per-sample scores for the rows and the table."""
+
+    def __init__(self, reward):
+        self.reward, self.parts = reward, {}
+
+    def __call__(self, samples):
+        total, parts = self.reward(samples)
+        for name, scores in parts.items():
+            self.parts.setdefault(name, []).extend(scores)
+        return total, parts
+
+
+def run(args) -> dict:
+    from regen.config import TaskConfig
+    from regen.data import load_prompts
+    from regen.evaluate import evaluate, evaluate_with_samples
+    from regen.rewards import CombinedReward
+
+    given = args.source or args.model
+    if given is None:
+        raise UserError("eval: give a run directory, checkpoint or model folder (SOURCE or --model)")
+    if args.source and args.model and args.source != args.model:
+        raise UserError("eval: give SOURCE or --model, not both")
+    source = resolve_source(given)
+    config_path = Path(args.config) if args.config else (source.run_dir / "config.yaml" if source.run_dir else None)
+    if args.config and not config_path.is_file():
+        raise UserError(f"--config: '{args.config}' not found")
+    has_config = config_path is not None and config_path.is_file()
+    cfg = load_run_config(config_path, args.max_new_tokens) if has_config else None
+    s, terms = settings(args, cfg)
+    task = TaskConfig(digits=s["digits"], test_size=s["test_size"])
+    extra = {"columns": s["columns"]} if s["columns"] else {}
+    items = load_prompts(s["data"], task, "--data", **extra)[: s["num_prompts"]]
+    if not items:
+        raise UserError(f"--data: no prompts in '{s['data']}'")
+    reward = _PartsRecorder(CombinedReward.from_config(terms)) if terms else None
+    policy = load_policy(source, task, s["seed"], args.device)
+    n = 1 if args.greedy else s["samples_per_prompt"]
+    common = {"top_p": s["top_p"], "max_new_tokens": s["max_new_tokens"], "batch_size": s["batch_size"],
+              "seed": s["seed"]}
+    metrics, rows = evaluate_with_samples(policy, items, temperature=s["temperature"], samples_per_prompt=n,
+                                          greedy=args.greedy, reward=reward, keep=len(items) * n, **common)
+    if reward is not None:
+        for name, scores in reward.parts.items():
+            finite = [x for x in scores if math.isfinite(x)]
+            metrics[f"reward/{name}"] = sum(finite) / len(finite) if finite else math.nan
+            for row, x in zip(rows, scores):
+                row.setdefault("rewards", {})[name] = x if math.isfinite(x) else None
+    if s["also_greedy"] and not args.greedy:  # the run's eval.greedy: greedy accuracy too, as in training
+        greedy = evaluate(policy, items, temperature=1.0, greedy=True, **common)
+        if "accuracy" in greedy:
+            metrics["greedy_accuracy"] = greedy["accuracy"]
+    used = {"source": given, "model": str(source.model_dir), "checkpoint": source.label,
+            "config": str(config_path) if cfg is not None else None, "data": s["data"], "num_prompts": len(items),
+            "samples_per_prompt": n, "temperature": s["temperature"], "top_p": s["top_p"],
+            "max_new_tokens": s["max_new_tokens"], "greedy": bool(args.greedy), "seed": s["seed"],
+            "rewards": [t.model_dump(mode="json") for t in terms]}
+    from regen.runtime.loggers import public_config  # rewards' args: no secret goes into the file
+
+    used["rewards"] = public_config(used["rewards"])
+    return {"metrics": {k: _num(v) for k, v in metrics.items()}, "settings": used, "samples": rows,
+            "_default_out": source.run_dir / "eval" / f"eval_{source.label}.json" if source.run_dir else None}
+
+
+def _num(v: float) -> float | None:
+    return v if math.isfinite(v) else None  # JSON has no NaN
+
+
+def print_table(result: dict, show: int) -> None:
+    s, m = result["settings"], result["metrics"]
+    print(f"model   {s['model']}")
+    how = "greedy" if s["greedy"] else f"samples at temperature {s['temperature']:g}"
+    print(f"data    {s['data']}: {s['num_prompts']} prompts x {s['samples_per_prompt']} {how}, seed {s['seed']}")
+    first = [k for k in ("accuracy", "greedy_accuracy", "reward") if k in m]
+    parts = sorted(k for k in m if k.startswith("reward/"))
+    keys = first + parts + sorted(set(m) - set(first) - set(parts))
+    width = max([len("metric"), *map(len, keys)])
+    print(f"\n{'metric':<{width}}  value")
+    for k in keys:
+        print(f"{k:<{width}}  {'n/a' if m[k] is None else f'{m[k]:.4f}'}")
+    rows = result["samples"][:show]
+    if rows:
+        print(f"\nsamples (first {len(rows)} of {len(result['samples'])}):")
+        for r in rows:
+            reward = "  -  " if r.get("reward") is None else f"{r['reward']:.3f}"
+            answer = f"  answer {json.dumps(r['answer'], ensure_ascii=False)}" if "answer" in r else ""
+            print(f"  reward {reward}  {_short(r['prompt'])} -> {_short(r['completion'])}{answer}")
+
+
+def _short(text: str, limit: int = 60) -> str:
+    return json.dumps(text if len(text) <= limit else text[: limit - 3] + "...", ensure_ascii=False)
+
+
+def write_json(result: dict, path: Path) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".tmp-{path.name}")
+        tmp.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        os.replace(tmp, path)  # a reader never sees half a file
+    except OSError as e:
+        raise UserError(f"--out: cannot write '{path}': {e.strerror or e}") from None
+
+
+def cmd_eval(args) -> int:
+    result = run(args)
+    default_out = result.pop("_default_out")
+    out = Path(args.out) if args.out else default_out
+    if args.json:
+        print(json.dumps(result, ensure_ascii=False))
+    else:
+        print_table(result, args.show)
+    if out is not None:
+        write_json(result, out)
+        print(f"wrote {out}", file=sys.stderr if args.json else sys.stdout)
+    return 0
