@@ -1,6 +1,6 @@
 """Every LM algorithm example from one SFT base: held-out accuracy against training wall-clock.
 
-Runs each `examples/arith_*.yaml` RL config (GRPO, DAPO, Dr.GRPO, RLOO, REINFORCE++, GSPO,
+Runs each `examples/arith_*.yaml` RL config (GRPO, PPO, DAPO, Dr.GRPO, RLOO, REINFORCE++, GSPO,
 DPO, GRPO+LoRA) as `python -m regen train CONFIG ...` from the same SFT export, with the
 config's own algorithm settings and only these overrides: model.path, run.dir,
 train.steps, eval.every, checkpoint.every=0, log.progress=none, log.tensorboard=false.
@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-NAMES = ["grpo", "dapo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "dpo", "grpo_lora"]
+NAMES = ["grpo", "ppo", "dapo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "dpo", "grpo_lora"]
 
 
 def regen(*args: str) -> float:

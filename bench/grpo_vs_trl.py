@@ -1,14 +1,17 @@
-"""regen GRPO vs TRL GRPOTrainer: same tiny model, same task, same settings, one process.
+"""regen vs TRL GRPOTrainer for GRPO, DAPO and GSPO: same tiny model, task and settings, one process.
 
-Measures, for each trainer, on the built-in arithmetic task ("a+b=" -> the sum) and the
-character-level GPT-2 of `regen.tasks.arithmetic`:
+Measures, for each trainer and algorithm (--algo), on the built-in arithmetic task ("a+b=" ->
+the sum) and the character-level GPT-2 of `regen.tasks.arithmetic`:
 
-  * completions per second = completions generated / training wall-clock (model loading,
+  * completions per second = completions trained / training wall-clock (model loading,
     reference copy and trainer construction excluded; see "clock" below);
   * the median step time of each, and the ratio regen / TRL of both throughput figures
     (with --rounds N the two trainers alternate N times; each one's median round is reported);
-  * the wall-clock each needs until its 10-step moving average of the per-step mean reward
-    first reaches a common target (default: the lower of the two final moving averages).
+  * the wall-clock each needs until its 10-step moving average of the per-step exact-match
+    reward first reaches a common target (default: the lower of the two final moving averages).
+
+The per-algorithm settings of both trainers live in ALGOS below, and each run checks that the
+trainer resolved them as asked (regen's config, TRL's trainer attributes) before it starts.
 
 Clock. regen: sum of its own per-step `time/step_s` (sample + score + advantage + update),
 read from metrics.jsonl; the whole `train()` call (which also loads the model, copies the
@@ -18,8 +21,8 @@ log-probs, update, TRL's own per-step logging); the whole `trainer.train()` call
 
 Run (from the repository root, with the project's virtualenv active):
 
-    python bench/grpo_vs_trl.py                      # builds a 1500-step SFT base first
-    python bench/grpo_vs_trl.py --base runs/sft/export --steps 150 --out /tmp/grpo_vs_trl.json
+    python bench/grpo_vs_trl.py                      # GRPO; builds a 1500-step SFT base first
+    python bench/grpo_vs_trl.py --algo all --base runs/sft/export --out /tmp/grpo_vs_trl.json
 """
 
 from __future__ import annotations
@@ -38,6 +41,42 @@ import torch
 
 WINDOW = 10  # moving-average window of the per-step mean reward
 
+# Per-algorithm settings, the one place both trainers read them from.
+#   name      regen algorithm.name
+#   level     TRL importance_sampling_level ("sequence" is TRL's GSPO)
+#   clip      (eps_low, eps_high): regen clip_low / clip_high, TRL epsilon / epsilon_high
+#   loss      TRL loss_type; regen's algorithm.loss_agg is its counterpart in LOSS_AGG
+#   beta      KL coefficient, k3 on both sides; 0 loads no reference model on either side
+#   overlong  DAPO soft overlong punishment with L_max = --max-len, L_cache = --max-len // 2:
+#             regen algorithm.overlong, TRL trl.rewards.get_soft_overlong_punishment
+#   dynamic   regen algorithm.dynamic_sampling; TRL has none, so such a row runs regen only
+# GSPO's loss "grpo" is TRL's per-sequence mean (what its docs recommend for GSPO); regen's
+# gspo_loss averages over sequences whatever loss_agg says (loss_agg only shapes a KL term).
+_COLUMNS = ("name", "level", "clip", "loss", "beta", "overlong", "dynamic")
+ALGOS: dict[str, dict] = {algo: dict(zip(_COLUMNS, row)) for algo, row in {
+    #            name    level       clip          loss    beta  overlong dynamic
+    "grpo":     ("grpo", "token",    (0.2, 0.2),   "dapo", 0.04, False,   False),
+    "dapo":     ("grpo", "token",    (0.2, 0.28),  "dapo", 0.0,  True,    False),
+    "dapo-dyn": ("grpo", "token",    (0.2, 0.28),  "dapo", 0.0,  True,    True),
+    "gspo":     ("gspo", "sequence", (3e-4, 4e-4), "grpo", 0.0,  False,   False),
+}.items()}
+# TRL loss_type -> the regen loss_agg that reduces the same way with one process, no gradient
+# accumulation and one optimizer step per generation batch (as run here).
+LOSS_AGG = {"dapo": "token-mean", "bnpo": "token-mean", "grpo": "seq-mean-token-mean",
+            "dr_grpo": "seq-mean-token-sum-norm"}
+
+
+def resolve(a, algo: str) -> dict:
+    """The table row with the command line's overrides (--beta, --trl-loss) and lengths applied."""
+    spec = dict(ALGOS[algo], algo=algo)
+    if a.beta is not None:
+        spec["beta"] = a.beta
+    if a.trl_loss is not None:
+        spec["loss"] = a.trl_loss
+    spec["loss_agg"] = LOSS_AGG[spec["loss"]]
+    spec["overlong"] = (a.max_len, max(1, a.max_len // 2)) if spec["overlong"] else None
+    return spec
+
 
 def build_base(workdir: Path, steps: int, threads: int, seed: int) -> str:
     from regen.config import SFTConfig, load_config
@@ -50,81 +89,58 @@ def build_base(workdir: Path, steps: int, threads: int, seed: int) -> str:
     return sft(cfg)["export"]
 
 
-def run_regen(a, base: str, workdir: Path) -> dict:
+def run_regen(a, spec: dict, base: str, workdir: Path) -> dict:
     from regen.config import RLConfig, load_config
     from regen.loop import train
     from regen.runtime.metrics import read_metrics
 
     run_dir = workdir / "regen"
+    algo = [f"algorithm.name={spec['name']}", f"algorithm.clip_low={spec['clip'][0]!r}",
+            f"algorithm.clip_high={spec['clip'][1]!r}", f"algorithm.loss_agg={spec['loss_agg']}",
+            f"algorithm.kl_coef={spec['beta']!r}", "algorithm.kl_estimator=k3",
+            f"algorithm.dynamic_sampling={str(spec['dynamic']).lower()}"]
+    if spec["overlong"]:
+        algo.append(f"algorithm.overlong={{max_len: {spec['overlong'][0]}, cache_len: {spec['overlong'][1]}, "
+                    "factor: 1.0}")
     cfg = load_config(RLConfig, None, [
         f"model.path={base}", f"run.dir={run_dir}", "run.overwrite=true", f"run.threads={a.threads}",
         f"run.seed={a.seed}", f"rollout.global_batch_size={a.batch}", f"rollout.group_size={a.group}",
         f"rollout.max_new_tokens={a.max_len}", f"rollout.temperature={a.temperature}", f"train.steps={a.steps}",
-        f"train.global_minibatch_size={a.batch}", f"optim.lr={a.lr}", f"algorithm.kl_coef={a.beta}",
-        "algorithm.kl_estimator=k3", "algorithm.loss_agg=token-mean", "data.eval=null", "log.progress=none",
-        "log.tensorboard=false", "checkpoint.every=0",
+        f"train.global_minibatch_size={a.batch}", f"optim.lr={a.lr}", *algo, "data.eval=null",
+        "log.progress=none", "log.tensorboard=false", "checkpoint.every=0",
     ])
+    c = cfg.algorithm
+    resolved = {"name": c.name, "clip_low": c.clip_low, "clip_high": c.clip_high, "loss_agg": c.loss_agg,
+                "kl_coef": c.kl_coef, "kl_estimator": c.kl_estimator, "advantage": c.advantage,
+                "std_normalize": c.std_normalize, "kl_placement": getattr(c, "kl_placement", "loss"),
+                "overlong": c.overlong and [c.overlong.max_len, c.overlong.cache_len, c.overlong.factor],
+                "dynamic_sampling": c.dynamic_sampling, "ppo_epochs": cfg.train.ppo_epochs,
+                "minibatch": cfg.train.global_minibatch_size}
+    want = {"name": spec["name"], "clip_low": spec["clip"][0], "clip_high": spec["clip"][1],
+            "loss_agg": spec["loss_agg"], "kl_coef": spec["beta"], "kl_estimator": "k3", "advantage": "grpo",
+            "std_normalize": True, "kl_placement": "loss",  # TRL: group-std advantages, KL in the loss
+            "overlong": spec["overlong"] and [*spec["overlong"], 1.0], "dynamic_sampling": spec["dynamic"],
+            "ppo_epochs": 1, "minibatch": a.batch}  # one update per batch, as TRL here
+    bad = {k: (resolved[k], v) for k, v in want.items() if resolved[k] != v}
+    if bad:
+        raise RuntimeError(f"regen settings differ from the table (got, wanted): {bad}")
     t0 = time.perf_counter()
     train(cfg)
     call_s = time.perf_counter() - t0
     rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "reward/mean" in r]
     step_s = [r["time/step_s"] for r in rows]
-    return {"rewards": [r["reward/mean"] for r in rows], "clock": list(accumulate(step_s)), "train_s": sum(step_s),
-            "call_s": call_s, "threads": torch.get_num_threads()}
 
+    def mean(key):
+        vals = [r[key] for r in rows if key in r]
+        return sum(vals) / len(vals) if vals else None
 
-def run_trl(a, base: str, workdir: Path) -> dict:
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    from regen.config import TaskConfig
-    from regen.data import load_prompts
-
-    torch.set_num_threads(a.threads)
-    items = load_prompts("builtin:arithmetic:train", TaskConfig(), "data.train")
-    data = Dataset.from_dict({"prompt": [it.prompt for it in items], "answer": [it.meta["answer"] for it in items]})
-    rec = {"rewards": [], "clock": [], "samples": None, "threads": None, "sizes": set()}
-
-    def exact_match(completions, answer, **_):
-        if rec["samples"] is None:  # keep a few decoded completions to show what TRL hands the reward
-            rec["samples"] = list(zip(completions[:4], answer[:4]))
-        rec["sizes"].add(len(completions))
-        scores = [float("".join(c.split()) == str(t)) for c, t in zip(completions, answer)]
-        rec["rewards"].append(sum(scores) / len(scores))
-        return scores
-
-    class Clock(TrainerCallback):
-        def on_train_begin(self, *_, **__):
-            rec["t0"] = time.perf_counter()
-
-        def on_step_end(self, *_, **__):
-            rec["clock"].append(time.perf_counter() - rec["t0"])
-            rec["threads"] = torch.get_num_threads()
-
-    args = GRPOConfig(
-        output_dir=str(workdir / "trl"), seed=a.seed, use_cpu=True, report_to="none", save_strategy="no",
-        eval_strategy="no", logging_steps=1, disable_tqdm=True, max_steps=a.steps,
-        per_device_train_batch_size=a.batch, gradient_accumulation_steps=1, num_generations=a.group,
-        steps_per_generation=1, num_iterations=1, max_completion_length=a.max_len, temperature=a.temperature,
-        top_p=1.0, top_k=0, learning_rate=a.lr, lr_scheduler_type="constant", warmup_steps=0,
-        optim="adamw_torch_fused", weight_decay=0.0, max_grad_norm=1.0, beta=a.beta, epsilon=0.2,
-        loss_type=a.trl_loss, scale_rewards="group", mask_truncated_completions=False, disable_dropout=True,
-        gradient_checkpointing=a.trl_gradient_checkpointing, bf16=False, log_completions=False, dataloader_num_workers=0,
-    )
-    tok = AutoTokenizer.from_pretrained(base, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    trainer = GRPOTrainer(model=model, reward_funcs=exact_match, args=args, train_dataset=data,
-                          processing_class=tok, callbacks=[Clock()])
-    trainer.remove_callback(PrinterCallback)  # the per-step log dicts would flood stdout
-    t0 = time.perf_counter()
-    trainer.train()
-    call_s = time.perf_counter() - t0
-    if len(rec["rewards"]) != a.steps or len(rec["clock"]) != a.steps or rec["sizes"] != {a.batch}:
-        raise RuntimeError(f"TRL: {len(rec['rewards'])} reward calls of sizes {rec['sizes']}, {len(rec['clock'])} "
-                           f"steps; expected {a.steps} calls of {a.batch} and {a.steps} steps")
-    return {"rewards": rec["rewards"], "clock": rec["clock"], "train_s": rec["clock"][-1], "call_s": call_s,
-            "threads": rec["threads"], "sample_completions": rec["samples"]}
+    # Logged evidence that the settings act (None: not logged, i.e. off).
+    resolved["observed"] = {"overlong_penalty": mean("reward/overlong_penalty"), "clip_frac": mean("clip_frac"),
+                            "kl": mean("kl"), "dynamic_extra_rounds": mean("dynamic/extra_rounds")}
+    # reward/exact_match, not reward/mean: the latter includes the overlong penalty under DAPO.
+    return {"rewards": [r["reward/exact_match"] for r in rows], "clock": list(accumulate(step_s)),
+            "train_s": sum(step_s), "call_s": call_s, "threads": torch.get_num_threads(),
+            "extra_rounds": sum(r.get("dynamic/extra_rounds", 0.0) for r in rows), "resolved": resolved}
 
 
 def moving_average(xs: list[float], w: int = WINDOW) -> list[float]:
@@ -144,7 +160,7 @@ def git_state() -> str:
     """Commit of the checkout this file sits in, '-dirty' when the working tree has changes."""
     try:
         out = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True, timeout=10,
-                             cwd=Path(__file__).resolve().parent).stdout.strip()
+                             cwd=Path(__file__).resolve().parent, check=False).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         out = ""
     return out or "unknown"
@@ -155,42 +171,119 @@ def summarize(runs: list[dict], completions: int) -> dict:
     cps = [completions / r["train_s"] for r in runs]
     r = runs[sorted(range(len(runs)), key=cps.__getitem__)[(len(runs) - 1) // 2]]
     steps = sorted(t1 - t0 for t0, t1 in zip([0.0] + r["clock"], r["clock"]))
-    return {"completions_per_s": completions / r["train_s"], "completions_per_s_whole_call": completions / r["call_s"],
-            "median_step_ms": 1000 * steps[len(steps) // 2], "train_s": r["train_s"], "call_s": r["call_s"],
-            "threads": r["threads"], "rewards": r["rewards"], "clock": r["clock"],
-            "moving_avg": moving_average(r["rewards"]), "rounds_completions_per_s": cps,
-            "same_rewards_every_round": all(x["rewards"] == r["rewards"] for x in runs)}
+    out = {"completions_per_s": completions / r["train_s"], "completions_per_s_whole_call": completions / r["call_s"],
+           "median_step_ms": 1000 * steps[len(steps) // 2], "train_s": r["train_s"], "call_s": r["call_s"],
+           "threads": r["threads"], "rewards": r["rewards"], "clock": r["clock"],
+           "moving_avg": moving_average(r["rewards"]), "rounds_completions_per_s": cps,
+           "same_rewards_every_round": all(x["rewards"] == r["rewards"] for x in runs)}
+    if r.get("extra_rounds"):  # dynamic sampling: each extra round samples one more batch
+        n_steps = len(r["clock"])
+        out["generated_completions_per_s"] = completions * (n_steps + r["extra_rounds"]) / n_steps / r["train_s"]
+    return out
+
+
+def compare(a, spec: dict, runs: dict[str, list[dict]]) -> dict:
+    """One algorithm's figures: each side's summary, the ratios and the time to a common target."""
+    res = {"settings": {"table": {k: v for k, v in spec.items() if k != "algo"},
+                        **{side: rs[0]["resolved"] for side, rs in runs.items()}}}
+    res |= {side: summarize(rs, a.batch * a.steps) for side, rs in runs.items()}
+    if "trl" not in runs:  # regen only (dynamic sampling): its batch reward is over the kept groups alone
+        return res
+    target = a.target if a.target is not None else min(res[s]["moving_avg"][-1] for s in ("regen", "trl"))
+    for s in ("regen", "trl"):
+        res[s]["target_step"], res[s]["target_s"] = time_to_target(res[s]["moving_avg"], res[s]["clock"], target)
+    res["target"] = target
+    res["ratio_regen_over_trl"] = res["regen"]["completions_per_s"] / res["trl"]["completions_per_s"]
+    res["ratio_per_round"] = [x / y for x, y in zip(res["regen"]["rounds_completions_per_s"],
+                                                    res["trl"]["rounds_completions_per_s"])]
+    res["ratio_from_median_steps"] = res["trl"]["median_step_ms"] / res["regen"]["median_step_ms"]
+    return res
+
+
+def report(results: dict, settings: dict, load: list, trl_samples) -> None:
+    print("\nsettings (both trainers)")
+    for k, v in settings.items():
+        print(f"  {k:<14} {v}")
+    print(f"  {'(load avg)':<14} 1-min load at start / before training / end: {load} on {os.cpu_count()} CPUs")
+    print(f"  TRL decoded completions (completion, answer): {trl_samples}")
+    print("\nresolved per algorithm (read back from each trainer; observed = per-step means of its logs)")
+    for algo, res in results.items():
+        for side in ("regen", "trl"):
+            if side in res["settings"]:
+                print(f"  {algo:<9}{side:<6}{res['settings'][side]}")
+    print(f"\n{'':<15}{'train s':>9}{'compl/s':>9}{'median step ms':>16}{'whole call s':>14}{'compl/s':>9}"
+          f"{'final MA10':>12}{'to target':>22}")
+    for algo, res in results.items():
+        for side in ("regen", "trl"):
+            if side not in res:
+                continue
+            r = res[side]
+            reach = ("n/a" if "target_s" not in r else "not reached" if r["target_s"] is None
+                     else f"{r['target_s']:.1f} s (step {r['target_step']})")
+            print(f"{algo + ' ' + side:<15}{r['train_s']:>9.1f}{r['completions_per_s']:>9.0f}"
+                  f"{r['median_step_ms']:>16.1f}{r['call_s']:>14.1f}{r['completions_per_s_whole_call']:>9.0f}"
+                  f"{r['moving_avg'][-1]:>12.3f}{reach:>22}")
+            if not r["same_rewards_every_round"]:
+                print(f"{'':<15}(reward curves differ between rounds; the median-throughput round's is used)")
+    print(f"\n{'algorithm':<10}{'regen compl/s':>14}{'TRL compl/s':>12}{'ratio':>8}  {'(per round)':<20}"
+          f"{'regen ms':>9}{'TRL ms':>8}{'ratio from ms':>14}{'target':>8}")
+    for algo, res in results.items():
+        g, t = res["regen"], res.get("trl")
+        if t is None:
+            gen = g.get("generated_completions_per_s")
+            extra = f"regen only; {gen:.0f} generated/s" if gen else "regen only"
+            print(f"{algo:<10}{g['completions_per_s']:>14.0f}{'-':>12}{'-':>8}  {'':<20}"
+                  f"{g['median_step_ms']:>9.1f}{'-':>8}{'-':>14}{'-':>8}  ({extra})")
+            continue
+        per_round = "(" + ", ".join(f"{x:.2f}" for x in res["ratio_per_round"]) + ")"
+        print(f"{algo:<10}{g['completions_per_s']:>14.0f}{t['completions_per_s']:>12.0f}"
+              f"{res['ratio_regen_over_trl']:>7.2f}x  {per_round:<20}{g['median_step_ms']:>9.1f}"
+              f"{t['median_step_ms']:>8.1f}{res['ratio_from_median_steps']:>13.2f}x{res['target']:>8.3f}")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--algo", default="grpo",
+                   help=f"comma-separated rows of ALGOS ({', '.join(ALGOS)}) or 'all' (every row); "
+                        "dapo-dyn is DAPO with dynamic sampling, regen only")
     p.add_argument("--base", help="SFT export folder to start from (default: build one with --sft-steps)")
     p.add_argument("--sft-steps", type=int, default=1500)
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--rounds", type=int, default=3, help="alternate regen/TRL runs this many times; report medians")
     p.add_argument("--batch", type=int, default=32, help="completions per step (= per optimizer step)")
     p.add_argument("--group", type=int, default=8)
-    p.add_argument("--max-len", type=int, default=8, help="max completion tokens (EOS included)")
+    p.add_argument("--max-len", type=int, default=8, help="max completion tokens (EOS included); DAPO's L_max")
     p.add_argument("--lr", type=float, default=5e-5)
-    p.add_argument("--beta", type=float, default=0.04, help="KL coefficient (k3 estimator on both sides)")
+    p.add_argument("--beta", type=float, help="KL coefficient (k3) for every algorithm run (default: ALGOS', "
+                   "grpo 0.04, dapo and gspo 0)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--trl-loss", default="dapo", help="TRL loss_type; dapo = token-mean over the batch here")
+    p.add_argument("--trl-loss", choices=sorted(LOSS_AGG), help="TRL loss_type for every algorithm run, with "
+                   "regen's matching loss_agg (default: ALGOS'; dapo = token-mean over the batch here)")
     p.add_argument("--trl-gradient-checkpointing", action="store_true",
                    help="keep TRL's default gradient_checkpointing=True (off by default here: it only costs time)")
     p.add_argument("--target", type=float, help="reward target (default: lower final 10-step moving average)")
     p.add_argument("--out", help="write the figures as JSON here")
     a = p.parse_args()
+    algos = list(ALGOS) if a.algo == "all" else a.algo.split(",")
+    if unknown := [x for x in algos if x not in ALGOS]:
+        p.error(f"--algo: unknown {unknown}; known: {', '.join(ALGOS)}, all")
+    specs = {algo: resolve(a, algo) for algo in algos}
     warnings.filterwarnings("ignore")
+    # bench/ is on sys.path when this file is run as a script
+    from _trl_common import run_trl
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # "Loading weights" / "Writing model shards" bars
-    import regen.loop, transformers.models.gpt2.modeling_gpt2, trl  # noqa: F401,E401  (import time off the clocks)
+    import transformers.models.gpt2.modeling_gpt2  # noqa: F401  (import time off the clocks)
+    import trl  # noqa: F401
+
+    import regen.loop  # noqa: F401
     torch.set_num_threads(a.threads)
     load = [round(os.getloadavg()[0], 2)]
 
-    runs: dict[str, list[dict]] = {"regen": [], "trl": []}
+    runs = {algo: {"regen": []} | ({} if spec["dynamic"] else {"trl": []}) for algo, spec in specs.items()}
     with tempfile.TemporaryDirectory(prefix="grpo_vs_trl_") as tmp:
         work = Path(tmp)
         base = a.base
@@ -199,48 +292,31 @@ def main() -> None:
             base = build_base(work, a.sft_steps, a.threads, a.seed)
             print(f"built SFT base ({a.sft_steps} steps) in {time.perf_counter() - t0:.0f} s")
         load.append(round(os.getloadavg()[0], 2))
-        for i in range(a.rounds):  # regen first in even rounds, TRL first in odd ones
-            for name in ("regen", "trl")[:: 1 if i % 2 == 0 else -1]:
-                runs[name].append((run_regen if name == "regen" else run_trl)(a, base, work / f"{name}{i}"))
+        # Rounds outside, algorithms inside: a drift in the machine's speed hits every algorithm
+        # alike. regen first in even rounds, TRL first in odd ones.
+        for i in range(a.rounds):
+            for algo, spec in specs.items():
+                for side in list(runs[algo])[:: 1 if i % 2 == 0 else -1]:
+                    run = run_regen if side == "regen" else run_trl
+                    runs[algo][side].append(run(a, spec, base, work / f"{algo}-{side}{i}"))
         load.append(round(os.getloadavg()[0], 2))
 
-    res = {name: summarize(rs, a.batch * a.steps) for name, rs in runs.items()}
-    target = a.target if a.target is not None else min(r["moving_avg"][-1] for r in res.values())
-    for r in res.values():
-        r["target_step"], r["target_s"] = time_to_target(r["moving_avg"], r["clock"], target)
-    rounds = [x / y for x, y in zip(res["regen"]["rounds_completions_per_s"], res["trl"]["rounds_completions_per_s"])]
-    ratio = res["regen"]["completions_per_s"] / res["trl"]["completions_per_s"]
-    median_ratio = res["trl"]["median_step_ms"] / res["regen"]["median_step_ms"]
-
-    settings = {k: getattr(a, k) for k in ("steps", "rounds", "batch", "group", "max_len", "lr", "beta",
+    results = {algo: compare(a, specs[algo], rs) for algo, rs in runs.items()}
+    settings = {k: getattr(a, k) for k in ("algo", "steps", "rounds", "batch", "group", "max_len", "lr", "beta",
                                            "temperature", "threads", "seed", "trl_loss",
                                            "trl_gradient_checkpointing")}
     settings["base"] = a.base or f"fresh SFT, {a.sft_steps} steps"
     settings["regen_git"] = git_state()
-    print("\nsettings (both trainers)")
-    for k, v in settings.items():
-        print(f"  {k:<12} {v}")
-    print(f"  {'(threads seen)':<12} regen {res['regen']['threads']}, TRL {res['trl']['threads']}")
-    print(f"  {'(load avg)':<12} 1-min load at start / before training / end: {load} on {os.cpu_count()} CPUs")
-    print(f"  TRL decoded completions (completion, answer): {runs['trl'][0]['sample_completions']}")
-    if not all(r["same_rewards_every_round"] for r in res.values()):
-        print("  note: reward curves differ between rounds; the median-throughput round's is used")
-    print(f"\n{'':<7}{'train s':>9}{'compl/s':>9}{'median step ms':>16}{'whole call s':>14}{'compl/s':>9}"
-          f"{'final MA10':>12}{'to target':>22}")
-    for name, r in res.items():
-        reach = "not reached" if r["target_s"] is None else f"{r['target_s']:.1f} s (step {r['target_step']})"
-        print(f"{name:<7}{r['train_s']:>9.1f}{r['completions_per_s']:>9.0f}{r['median_step_ms']:>16.1f}"
-              f"{r['call_s']:>14.1f}{r['completions_per_s_whole_call']:>9.0f}{r['moving_avg'][-1]:>12.3f}{reach:>22}")
-    per_round = ", ".join(f"{x:.2f}" for x in rounds)
-    print(f"\nthroughput ratio regen / TRL: {ratio:.2f}x  (per round: {per_round}; "
-          f"from median step times: {median_ratio:.2f}x)")
-    print(f"target reward (10-step moving average): {target:.3f}")
+    settings["threads_seen"] = {f"{algo} {side}": rs[0]["threads"] for algo, r in runs.items() for side, rs in r.items()}
+    trl_samples = next((r["trl"][0]["sample_completions"] for r in runs.values() if "trl" in r), None)
+    report(results, settings, load, trl_samples)
 
     if a.out:
-        out = {"settings": settings, "load_avg_1min": load, "target": target, "ratio_regen_over_trl": ratio,
-               "ratio_per_round": rounds, "ratio_from_median_steps": median_ratio,
-               **{n: {k: v for k, v in r.items() if k != "moving_avg"} | {"final_moving_avg": r["moving_avg"][-1]}
-                  for n, r in res.items()}}
+        out = {"settings": settings, "load_avg_1min": load,
+               "algorithms": {algo: {k: ({kk: vv for kk, vv in v.items() if kk != "moving_avg"}
+                                         | {"final_moving_avg": v["moving_avg"][-1]}
+                                         if k in ("regen", "trl") else v) for k, v in res.items()}
+                              for algo, res in results.items()}}
         Path(a.out).write_text(json.dumps(out, indent=1))
         print(f"wrote {a.out}")
 
