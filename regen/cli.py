@@ -244,9 +244,10 @@ def cmd_sft(args) -> int:
     cfg = _load(SFTConfig, args)
     if cfg is None:
         return 0
+    from regen.flow_sft import is_flow_model, sft_flow
     from regen.sft import sft
 
-    _print_summary(sft(cfg, resume=args.resume))
+    _print_summary((sft_flow if is_flow_model(cfg.model) else sft)(cfg, resume=args.resume))
     return 0
 
 

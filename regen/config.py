@@ -51,7 +51,7 @@ class ModelConfig(Section):
     )
 
     @model_validator(mode="after")
-    def _one_source(self) -> "ModelConfig":
+    def _one_source(self) -> ModelConfig:
         if (self.path is None) == (self.init is None):
             raise ValueError("set exactly one of model.path (load a model) or model.init (build a fresh one)")
         return self
@@ -104,11 +104,13 @@ class OverlongConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    name: Literal["grpo", "ppo", "gspo", "dpo"] = Field(
+    name: Literal["grpo", "ppo", "gspo", "dpo", "flow_grpo", "flow_dppo", "nft", "awm"] = Field(
         "grpo", description="Policy loss: 'grpo' (token-level clipped ratio; with clip_high 0.28 and overlong, DAPO), "
         "'ppo' (the same clipped loss on per-token GAE advantages from a learned critic, see the critic section), "
         "'gspo' (sequence-level length-normalised ratio, Zheng 2025; use clip ranges like 3e-4 / 4e-4), or 'dpo' "
-        "(offline, on preference pairs from data.train; train.global_minibatch_size pairs per step)."
+        "(offline, on preference pairs from data.train; train.global_minibatch_size pairs per step). Flow models "
+        "(see the flow section): 'flow_grpo' (clipped ratio over SDE steps), 'flow_dppo' (KL trust region over SDE "
+        "steps), 'nft' (DiffusionNFT on ODE samples), 'awm' (advantage-weighted flow matching on ODE samples)."
     )
     dpo_beta: float = Field(0.1, gt=0.0, description="DPO/IPO beta.")
     dpo_label_smoothing: float = Field(0.0, ge=0.0, lt=0.5, description="DPO conservative label smoothing.")
@@ -161,6 +163,36 @@ class CriticConfig(Section):
     warmup_steps: int = Field(
         0, ge=0, description="Steps at the start in which only the critic is trained (the policy is held)."
     )
+
+
+class FlowConfig(Section):
+    steps: int = Field(10, ge=1, description="Sampling steps of a training rollout.")
+    eval_steps: int = Field(20, ge=1, description="Euler ODE steps when sampling for evaluation.")
+    shift: float = Field(1.0, gt=0.0, description="SD3 time shift of the sigma grid (1 = linear).")
+    sampler: Literal["sde", "cps"] = Field(
+        "sde", description="Stochastic step of flow_grpo / flow_dppo: Flow-GRPO's SDE or coefficients-preserving (CPS)."
+    )
+    noise_level: float = Field(0.7, ge=0.0, description="SDE noise level a (CPS: eta in [0, 1]).")
+    sde_window: int | None = Field(
+        None, ge=1, description="Stochastic (trained) steps per rollout; null = all (Flow-GRPO); a few = "
+        "Flow-GRPO-Fast / MixGRPO, the rest are ODE steps."
+    )
+    window_policy: Literal["fixed", "random", "moving"] = Field(
+        "fixed", description="Where the SDE window sits: at window_start, uniform per batch, or sliding one step "
+        "later every window_shift_every steps (MixGRPO)."
+    )
+    window_start: int = Field(0, ge=0, description="First SDE step of the window.")
+    window_shift_every: int = Field(25, ge=1, description="moving: training steps per one-step slide.")
+    guidance: float = Field(1.0, gt=0.0, description="Classifier-free guidance scale when sampling (1 = off).")
+    clip_range: float = Field(1e-3, gt=0.0, description="flow_grpo ratio clip (1e-4..1e-3 usual; FINDINGS.md).")
+    kl_coef: float = Field(0.0, ge=0.0, description="flow_grpo: weight of the exact Gaussian KL to the base model.")
+    global_std: bool = Field(False, description="Advantages divided by the batch's reward std instead of the group's.")
+    adv_clip: float = Field(5.0, gt=0.0, description="Advantages clipped to +-adv_clip (and NFT's C).")
+    dppo_tau: float = Field(1e-5, gt=0.0, description="flow_dppo: KL threshold of the trust region.")
+    nft_beta: float = Field(1.0, gt=0.0, description="DiffusionNFT beta (implicit positive/negative policies).")
+    ema_rate: float = Field(1e-3, ge=0.0, description="DiffusionNFT: old-policy EMA decay = min(rate * step, ema_max).")
+    ema_max: float = Field(0.5, ge=0.0, lt=1.0, description="DiffusionNFT: largest EMA decay of the old policy.")
+    awm_weight: Literal["uniform", "t", "t**2"] = Field("uniform", description="AWM loss weight w(t).")
 
 
 class TrainConfig(Section):
@@ -302,6 +334,7 @@ class RLConfig(Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig, description="The value model of algorithm.name=ppo.")
+    flow: FlowConfig = Field(default_factory=FlowConfig, description="Sampling and method settings of flow models.")
     train: TrainConfig = Field(default_factory=TrainConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     reward: list[RewardTerm] = Field(
@@ -314,7 +347,7 @@ class RLConfig(Section):
     log: LogConfig = Field(default_factory=LogConfig)
 
     @model_validator(mode="after")
-    def _sizes(self) -> "RLConfig":
+    def _sizes(self) -> RLConfig:
         if self.mirror.url and self.checkpoint.keep_last < 2:
             raise ValueError("checkpoint.keep_last must be at least 2 with mirror.url: the newest local "
                              "checkpoint may still be uploading when the next one is written")

@@ -33,10 +33,14 @@ class PrefPair:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-def _builtin(spec: str) -> tuple[str, str]:
+BUILTIN_TASKS = ("arithmetic", "shapes", "moving-shapes")
+
+
+def _builtin(spec: str, tasks: tuple[str, ...] = ("arithmetic",)) -> tuple[str, str]:
     parts = spec.split(":")
-    if len(parts) != 3 or parts[1] != "arithmetic" or parts[2] not in ("train", "test"):
-        raise DataError(f"unknown built-in data '{spec}' (known: builtin:arithmetic:train, builtin:arithmetic:test)")
+    if len(parts) != 3 or parts[1] not in tasks or parts[2] not in ("train", "test"):
+        known = ", ".join(f"builtin:{t}:{s}" for t in tasks for s in ("train", "test"))
+        raise DataError(f"unknown built-in data '{spec}' (known here: {known})")
     return parts[1], parts[2]
 
 
@@ -100,9 +104,11 @@ def load_prompts(spec: str, task, where: str, skip_bad: bool = False,
     """`spec` is a JSONL path (rows with 'prompt'; other fields become meta), 'hf:DATASET[:SPLIT]'
     or 'builtin:arithmetic:SPLIT'."""
     if spec.startswith("builtin:"):
-        from regen.tasks import arithmetic
+        from regen.tasks import arithmetic, shapes
 
-        _, split = _builtin(spec)
+        name, split = _builtin(spec, BUILTIN_TASKS)
+        if name != "arithmetic":  # image / video prompts, meta = the drawn attributes
+            return shapes.prompts("image" if name == "shapes" else "video", split)
         return arithmetic.prompts(split, task.digits, task.test_size)
     rows = read_rows(spec, ("prompt",), where, skip_bad, columns)
     return [PromptItem(prompt=r.pop("prompt"), meta=r) for r in rows]

@@ -207,6 +207,20 @@ def _shuffle_groups(B: int, n: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def train(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
+    from regen.flow_sft import is_flow_model
+
+    flow_algo, flow_model = cfg.algorithm.name in ("flow_grpo", "flow_dppo", "nft", "awm"), is_flow_model(cfg.model)
+    model = cfg.model.path or cfg.model.init
+    if flow_algo and not flow_model:
+        raise UserError(f"algorithm.name={cfg.algorithm.name} trains flow-matching image/video models; model "
+                        f"'{model}' is a language model (use grpo, ppo, gspo or dpo)")
+    if flow_model and not flow_algo:
+        raise UserError(f"model '{model}' is a flow-matching model: use algorithm.name flow_grpo, flow_dppo, nft "
+                        f"or awm, not {cfg.algorithm.name}")
+    if flow_model:  # images / videos: see regen/flow_loop.py
+        from regen.flow_loop import train_flow
+
+        return train_flow(cfg, resume, force)
     if cfg.algorithm.name == "dpo":  # offline: no sampling, no reward; see regen/dpo.py
         from regen.dpo import train_dpo
 

@@ -45,7 +45,7 @@ class Session:
     critic_opt: torch.optim.Optimizer | None = None
 
     @classmethod
-    def start(cls, cfg: RLConfig, resume: bool = False, force: bool = False) -> "Session":
+    def start(cls, cfg: RLConfig, resume: bool = False, force: bool = False) -> Session:
         # Check everything the user gave before touching the run directory.
         device = resolve_device(cfg.run.device)
         require_loggers(cfg.log)  # W&B / MLflow installed when turned on

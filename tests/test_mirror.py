@@ -102,7 +102,7 @@ def _save(run_dir, step):
     def save_model(folder):
         folder.mkdir()
         (folder / "weights.bin").write_bytes(bytes([step]) * 300)
-        (folder / "config.json").write_text('{"step": %d}' % step)
+        (folder / "config.json").write_text(f'{{"step": {step}}}')
 
     return ckpt.save_checkpoint(run_dir, step, save_model, opt, {"sampler": torch.tensor([step])},
                                 {"data": {"cursor": step}}, keep_last=100)

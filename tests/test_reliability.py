@@ -19,9 +19,9 @@ from safetensors.torch import load_file
 import regen.loop
 import regen.runtime.checkpoint as ckpt_mod
 from regen.cli import main
+from regen.config import HealthConfig
 from regen.runtime.alerts import Alerts
 from regen.runtime.health import HealthMonitor
-from regen.config import HealthConfig
 from tests.conftest import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]

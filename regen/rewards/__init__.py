@@ -5,8 +5,12 @@ counted as zero. Register a function with `@register("name")`, or point the conf
 importable `package.module:function`.
 """
 
+from regen.rewards import (
+    adherence,  # noqa: F401  (the shapes classifier "adherence"; torch loads on first use)
+    builtin,  # noqa: F401  (registers the built-in rewards)
+    client,  # noqa: F401  (registers "remote")
+    image,  # noqa: F401  (image/video rewards, "binary" and "pairwise")
+)
 from regen.rewards.base import REGISTRY, CombinedReward, Sample, register, resolve
-from regen.rewards import builtin  # noqa: F401  (registers the built-in rewards)
-from regen.rewards import client  # noqa: F401  (registers "remote")
 
 __all__ = ["REGISTRY", "CombinedReward", "Sample", "register", "resolve"]

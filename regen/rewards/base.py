@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import importlib
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from regen.errors import ConfigError
 
@@ -83,7 +84,7 @@ class CombinedReward:
         self.terms = terms
 
     @classmethod
-    def from_config(cls, reward_cfg) -> "CombinedReward":
+    def from_config(cls, reward_cfg) -> CombinedReward:
         terms = []
         for i, t in enumerate(reward_cfg):
             fn, args = resolve(t.name, where=f"reward.{i}.name"), dict(t.args)
