@@ -20,28 +20,9 @@ EVAL_SEED_OFFSET = 7919  # eval draws from its own stream so it never shifts the
 SAMPLES_KEPT = 16  # rows written per evaluation: enough to read, small enough for any run length
 
 
-@torch.no_grad()
-def evaluate(
-    policy,
-    items: list[PromptItem],
-    *,
-    temperature: float,
-    top_p: float,
-    max_new_tokens: int,
-    samples_per_prompt: int = 1,
-    batch_size: int = 256,
-    seed: int = 0,
-    greedy: bool = False,
-    reward: CombinedReward | None = None,
-) -> dict[str, float]:
-    """Returns `accuracy` (exact match against each row's 'answer', when every row has one),
-    `reward` (the mean combined reward, when one is given) and `length` (mean completion
-    characters). The same seed gives the same sampling noise, so before/after numbers of a
-    run are compared on equal terms."""
-    return evaluate_with_samples(
-        policy, items, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
-        samples_per_prompt=samples_per_prompt, batch_size=batch_size, seed=seed, greedy=greedy, reward=reward,
-    )[0]
+def evaluate(policy, items: list[PromptItem], **kw) -> dict[str, float]:
+    """The metrics of `evaluate_with_samples` (same keyword arguments) without the samples."""
+    return evaluate_with_samples(policy, items, **kw)[0]
 
 
 @torch.no_grad()

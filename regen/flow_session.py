@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from regen.config import RLConfig, dump_config, incompatible_changes, redact
-from regen.data import EpochSampler, PromptItem, load_prompts
+from regen.config import RLConfig, dump_config, redact
+from regen.data import EpochSampler, PromptItem
 from regen.errors import UserError
 from regen.flow_sft import load_flow_policy, save_media
 from regen.policies.flow import FlowPolicy
@@ -22,6 +22,7 @@ from regen.runtime.health import HealthMonitor
 from regen.runtime.metrics import MetricsLogger
 from regen.runtime.optim import make_optimizer
 from regen.runtime.rundir import end_status, mark_closed, mark_running, prepare, setup_torch, versions
+from regen.session import resume_state, run_inputs
 
 EVAL_SEED_OFFSET = 7919  # held-out samples draw from their own stream: before/after on equal noise
 
@@ -47,12 +48,7 @@ class FlowRun:
     @classmethod
     def start(cls, cfg: RLConfig, resume: bool = False, force: bool = False) -> FlowRun:
         device = resolve_device(cfg.run.device)
-        reward = CombinedReward.from_config(cfg.reward)
-        skip = cfg.data.on_bad_line == "skip"
-        prompts = load_prompts(cfg.data.train, cfg.task, "data.train", skip, cfg.data.columns)
-        eval_items = load_prompts(cfg.data.eval, cfg.task, "data.eval", skip, cfg.data.columns) if cfg.data.eval else []
-        if len(prompts) < cfg.prompts_per_step:
-            raise UserError(f"data.train: {len(prompts)} prompts, fewer than the {cfg.prompts_per_step} per step")
+        reward, prompts, eval_items = run_inputs(cfg)
         f = cfg.flow
         if f.sde_window is not None and f.window_start + f.sde_window > f.steps:
             raise UserError(f"flow.sde_window={f.sde_window} from flow.window_start={f.window_start} does not fit "
@@ -60,14 +56,7 @@ class FlowRun:
         run_dir, resume = prepare(cfg.run.dir, cfg.run.overwrite, resume)
         setup_torch(cfg.run.threads, cfg.run.seed)
         alerts = Alerts(run_dir, webhook_url=cfg.health.webhook_url)
-        state = ckpt.load_latest(run_dir, warn=lambda m: alerts.fire(-1, "checkpoint_skipped", m)) if resume else None
-        if state is not None:
-            saved = state["state"].get("config")
-            diff = incompatible_changes(saved, redact(cfg.model_dump(mode="json"))) if saved else []
-            if diff and not force:
-                raise UserError("cannot resume: the config differs from the checkpoint's in "
-                                + "; ".join(diff) + " (pass --force to resume anyway, or use another run.dir)")
-            print(f"resuming from {state['folder']}")
+        state = resume_state(cfg, run_dir, alerts, force) if resume else None
         policy = load_flow_policy(ckpt.resumed_model(cfg.model, state), cfg.run.seed, device)
         ref = ema = None
         if cfg.algorithm.name == "flow_grpo" and f.kl_coef > 0:  # the run's starting model, also after a resume

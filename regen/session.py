@@ -48,13 +48,7 @@ class Session:
     def start(cls, cfg: RLConfig, resume: bool = False, force: bool = False) -> Session:
         # Check everything the user gave before touching the run directory.
         device = resolve_device(cfg.run.device)
-        require_loggers(cfg.log)  # W&B / MLflow installed when turned on
-        reward = CombinedReward.from_config(cfg.reward)
-        skip = cfg.data.on_bad_line == "skip"
-        prompts = load_prompts(cfg.data.train, cfg.task, "data.train", skip, cfg.data.columns)
-        eval_items = load_prompts(cfg.data.eval, cfg.task, "data.eval", skip, cfg.data.columns) if cfg.data.eval else []
-        if len(prompts) < cfg.prompts_per_step:
-            raise UserError(f"data.train: {len(prompts)} prompts, fewer than the {cfg.prompts_per_step} per step")
+        reward, prompts, eval_items = run_inputs(cfg)
         run_dir, resume = prepare(cfg.run.dir, cfg.run.overwrite, resume)
         setup_torch(cfg.run.threads, cfg.run.seed)
         alerts = Alerts(run_dir, webhook_url=cfg.health.webhook_url)
@@ -64,14 +58,7 @@ class Session:
             if mirror.download_latest(run_dir / "checkpoints") is not None:
                 resume = True
 
-        state = ckpt.load_latest(run_dir, warn=lambda m: alerts.fire(-1, "checkpoint_skipped", m)) if resume else None
-        if state is not None:
-            saved = state["state"].get("config")
-            diff = incompatible_changes(saved, redact(cfg.model_dump(mode="json"))) if saved else []
-            if diff and not force:
-                raise UserError("cannot resume: the config differs from the checkpoint's in "
-                                + "; ".join(diff) + " (pass --force to resume anyway, or use another run.dir)")
-            print(f"resuming from {state['model_dir'].parent}")
+        state = resume_state(cfg, run_dir, alerts, force) if resume else None
         model, tok, reference = _load_policy_model(cfg, state)
         policy = LMPolicy(model, tok, device, reference=reference)
         policy.model.eval()  # dropout off: sampling and training see the same function (ratio 1 on-policy)
@@ -151,6 +138,32 @@ class Session:
             self.mirror.close()  # waits for the uploads still in flight
         self.alerts.flush()
         mark_closed(self.run_dir, end_status(self.run_dir, self.cfg.train.steps))
+
+
+def run_inputs(cfg: RLConfig) -> tuple[CombinedReward, list[PromptItem], list[PromptItem]]:
+    """Loggers' packages, rewards and prompts: everything the user gave that can be wrong,
+    checked before the run directory is touched."""
+    require_loggers(cfg.log)  # W&B / MLflow installed when turned on
+    reward = CombinedReward.from_config(cfg.reward)
+    skip = cfg.data.on_bad_line == "skip"
+    prompts = load_prompts(cfg.data.train, cfg.task, "data.train", skip, cfg.data.columns)
+    eval_items = load_prompts(cfg.data.eval, cfg.task, "data.eval", skip, cfg.data.columns) if cfg.data.eval else []
+    if len(prompts) < cfg.prompts_per_step:
+        raise UserError(f"data.train: {len(prompts)} prompts, fewer than the {cfg.prompts_per_step} per step")
+    return reward, prompts, eval_items
+
+
+def resume_state(cfg: RLConfig, run_dir: Path, alerts: Alerts, force: bool) -> dict:
+    """The newest valid checkpoint, refused when settings that change the computation differ
+    from the ones it was trained with (unless force)."""
+    state = ckpt.load_latest(run_dir, warn=lambda m: alerts.fire(-1, "checkpoint_skipped", m))
+    saved = state["state"].get("config")
+    diff = incompatible_changes(saved, redact(cfg.model_dump(mode="json"))) if saved else []
+    if diff and not force:
+        raise UserError("cannot resume: the config differs from the checkpoint's in "
+                        + "; ".join(diff) + " (pass --force to resume anyway, or use another run.dir)")
+    print(f"resuming from {state['folder']}")
+    return state
 
 
 def _load_policy_model(cfg: RLConfig, state: dict | None):
