@@ -1,0 +1,54 @@
+"""Config sections of the methods that bring their own models: PPO's critic and the
+flow-matching samplers and losses (kept apart so regen/config.py stays one screenful per idea)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from regen.config_base import Section
+
+
+class CriticConfig(Section):
+    path: str | None = Field(
+        None, description="PPO critic's starting weights: a causal-LM or token-classification folder (a value head "
+        "is added when missing); null = the policy's starting model (model.path / model.init) with a new head."
+    )
+    lr: float = Field(1e-5, gt=0.0, description="Critic learning rate (AdamW; other settings as in optim).")
+    value_clip: float | None = Field(
+        0.2, gt=0.0, description="Clip of the value update around the old values (eps_v); null = unclipped."
+    )
+    warmup_steps: int = Field(
+        0, ge=0, description="Steps at the start in which only the critic is trained (the policy is held)."
+    )
+
+
+class FlowConfig(Section):
+    steps: int = Field(10, ge=1, description="Sampling steps of a training rollout.")
+    eval_steps: int = Field(20, ge=1, description="Euler ODE steps when sampling for evaluation.")
+    shift: float = Field(1.0, gt=0.0, description="SD3 time shift of the sigma grid (1 = linear).")
+    sampler: Literal["sde", "cps"] = Field(
+        "sde", description="Stochastic step of flow_grpo / flow_dppo: Flow-GRPO's SDE or coefficients-preserving (CPS)."
+    )
+    noise_level: float = Field(0.7, ge=0.0, description="SDE noise level a (CPS: eta in [0, 1]).")
+    sde_window: int | None = Field(
+        None, ge=1, description="Stochastic (trained) steps per rollout; null = all (Flow-GRPO); a few = "
+        "Flow-GRPO-Fast / MixGRPO, the rest are ODE steps."
+    )
+    window_policy: Literal["fixed", "random", "moving"] = Field(
+        "fixed", description="Where the SDE window sits: at window_start, uniform per batch, or sliding one step "
+        "later every window_shift_every steps (MixGRPO)."
+    )
+    window_start: int = Field(0, ge=0, description="First SDE step of the window.")
+    window_shift_every: int = Field(25, ge=1, description="moving: training steps per one-step slide.")
+    guidance: float = Field(1.0, gt=0.0, description="Classifier-free guidance scale when sampling (1 = off).")
+    clip_range: float = Field(1e-3, gt=0.0, description="flow_grpo ratio clip (1e-4..1e-3 usual; FINDINGS.md).")
+    kl_coef: float = Field(0.0, ge=0.0, description="flow_grpo: weight of the exact Gaussian KL to the base model.")
+    global_std: bool = Field(False, description="Advantages divided by the batch's reward std instead of the group's.")
+    adv_clip: float = Field(5.0, gt=0.0, description="Advantages clipped to +-adv_clip (and NFT's C).")
+    dppo_tau: float = Field(1e-5, gt=0.0, description="flow_dppo: KL threshold of the trust region.")
+    nft_beta: float = Field(1.0, gt=0.0, description="DiffusionNFT beta (implicit positive/negative policies).")
+    ema_rate: float = Field(1e-3, ge=0.0, description="DiffusionNFT: old-policy EMA decay = min(rate * step, ema_max).")
+    ema_max: float = Field(0.5, ge=0.0, lt=1.0, description="DiffusionNFT: largest EMA decay of the old policy.")
+    awm_weight: Literal["uniform", "t", "t**2"] = Field("uniform", description="AWM loss weight w(t).")
