@@ -126,7 +126,7 @@ def update(policy: FlowPolicy, opt, batch: FlowSample, adv, valid, cfg: RLConfig
     mb, micro = t.global_minibatch_size, t.micro_batch_size or t.global_minibatch_size
     per_step = a in PER_STEP
     mask = (batch.sde[None, :] & valid[:, None]).float() if per_step else valid[:, None].float()
-    params = policy.parameters()
+    params = [p for p in policy.parameters() if p.requires_grad]
     sums: dict[str, float] = {}
     n_steps = 0
     for _ in range(t.ppo_epochs):

@@ -68,7 +68,11 @@ class FlowRun:
                 from diffusers import UNet2DModel
 
                 ema.load_state_dict(UNet2DModel.from_pretrained(str(state["folder"] / "ema")).state_dict())
-        opt = make_optimizer(torch.nn.ModuleList([policy.unet, policy.encoder]), cfg.optim)
+        # RL trains the velocity model only; the prompt encoder stays as pretrained, as text
+        # encoders do in Flow-GRPO / DiffusionNFT. A moving encoder would also move NFT's
+        # "old" policy (the EMA UNet reads the same prompt vectors).
+        policy.encoder.requires_grad_(False)
+        opt = make_optimizer(policy.unet, cfg.optim)
         data = EpochSampler(len(prompts), cfg.run.seed)
         gen = torch.Generator().manual_seed(cfg.run.seed)
         health = HealthMonitor(cfg.health, alerts)
