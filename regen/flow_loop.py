@@ -10,7 +10,6 @@ AWM: no likelihood at all). The math is in `regen.algorithms.flow`, the model be
 
 from __future__ import annotations
 
-import copy
 import time
 
 import torch
@@ -229,6 +228,3 @@ def _nanmean(xs) -> float:
     ok = [x for x in xs if x is not None and x == x]
     return sum(ok) / len(ok) if ok else float("nan")
 
-
-def frozen_copy(unet):
-    return copy.deepcopy(unet).eval().requires_grad_(False)
