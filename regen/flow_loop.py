@@ -29,6 +29,7 @@ from regen.algorithms.losses import batch_denominators
 from regen.config import RLConfig
 from regen.policies.flow import FlowPolicy, FlowSample
 from regen.rewards import Sample
+from regen.runtime.metrics import nanmean
 from regen.samplers.flow import sde_steps, window_start
 
 PER_STEP = ("flow_grpo", "flow_dppo")  # trained on re-scored SDE transitions
@@ -197,7 +198,7 @@ def train_flow(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict
             metrics = {
                 "reward/mean": float(finite.mean()) if len(finite) else float("nan"),
                 "reward/std": float(finite.std()) if len(finite) > 1 else 0.0,
-                **{f"reward/{k}": _nanmean(v) for k, v in parts.items()},
+                **{f"reward/{k}": nanmean(v) for k, v in parts.items()},
                 **{f"reward/{k}": float(v) for k, v in adv_m.items() if k in ("zero_std_frac", "missing_frac")},
                 "loss": upd.pop("loss", float("nan")), **upd, "lr": lr, "sde_steps": float(sde.sum()),
                 "time/sample_s": t1 - t0, "time/score_s": t2 - t1, "time/update_s": t3 - t2, "time/step_s": t3 - t0,
@@ -222,9 +223,3 @@ def train_flow(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict
         policy.export(run.run_dir / "export")
     run.close()
     return summary
-
-
-def _nanmean(xs) -> float:
-    ok = [x for x in xs if x is not None and x == x]
-    return sum(ok) / len(ok) if ok else float("nan")
-

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from regen.config import RLConfig, dump_config, redact
+from regen.config import RLConfig, dump_config
 from regen.data import EpochSampler, PromptItem
 from regen.errors import UserError
 from regen.flow_sft import load_flow_policy, save_media
@@ -19,10 +19,10 @@ from regen.rewards import CombinedReward
 from regen.runtime import checkpoint as ckpt
 from regen.runtime.alerts import Alerts
 from regen.runtime.health import HealthMonitor
-from regen.runtime.metrics import MetricsLogger
+from regen.runtime.metrics import MetricsLogger, nanmean
 from regen.runtime.optim import make_optimizer
-from regen.runtime.rundir import end_status, mark_closed, mark_running, prepare, setup_torch, versions
-from regen.session import resume_state, run_inputs
+from regen.runtime.rundir import end_status, mark_closed, mark_running, prepare, setup_torch
+from regen.session import resume_state, run_inputs, save_run_checkpoint
 
 EVAL_SEED_OFFSET = 7919  # held-out samples draw from their own stream: before/after on equal noise
 
@@ -89,29 +89,13 @@ class FlowRun:
                    start_step, ref, ema)
 
     def save(self, step: int) -> Path | None:
-        tree = redact(self.cfg.model_dump(mode="json"))
-        source = self.cfg.model.path or self.cfg.model.init
-        try:
-            folder = ckpt.save_checkpoint(
-                self.run_dir, step, self.policy.save_pretrained, self.opt,
-                rng={"sampler": self.gen.get_state(), "torch_cpu": torch.get_rng_state()},
-                state={"data": self.data.state(), "healthy": not self.health.problem, "health": self.health.state(),
-                       "reward_versions": self.reward.versions(), "config": tree,
-                       "versions": versions(source, self.reward.versions(), tree)},
-                keep_last=self.cfg.checkpoint.keep_last,
-                save_extra=None if self.ema is None else
-                (lambda folder: self.ema.save_pretrained(str(folder / "ema"), safe_serialization=True)),
-            )
-        except OSError as e:
-            self.alerts.fire(step, "checkpoint_failed", f"checkpoint at step {step} not written: {e.strerror or e}")
-            return None
-        self.health.checkpointed()
-        return folder
+        return save_run_checkpoint(self, step, None if self.ema is None else
+                                   (lambda folder: self.ema.save_pretrained(str(folder / "ema"), safe_serialization=True)))
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Held-out prompts, sampled with the ODE and fixed noise; mean reward of each term and
         the prompt adherence, with the first samples saved as PNG/GIF under samples/."""
-        from regen.flow_loop import _nanmean, to_samples
+        from regen.flow_loop import to_samples
 
         e, f = self.cfg.eval, self.cfg.flow
         items = self.eval_items[: e.num_prompts]
@@ -120,12 +104,12 @@ class FlowRun:
                                      f.guidance)
         samples = to_samples(out, items, e.samples_per_prompt)
         total, parts = self.reward(samples)
-        metrics = {"eval/reward": _nanmean(total), **{f"eval/{k}": _nanmean(v) for k, v in parts.items()}}
+        metrics = {"eval/reward": nanmean(total), **{f"eval/{k}": nanmean(v) for k, v in parts.items()}}
         if all("colour" in it.meta for it in items):  # the built-in shapes: did it draw what was asked?
             from regen.rewards.adherence import AdherenceAccuracy
 
             # logged beside any reward, so a reward that is hacked (a flat colour) shows here
-            metrics["eval/adherence"] = _nanmean(AdherenceAccuracy()(samples))
+            metrics["eval/adherence"] = nanmean(AdherenceAccuracy()(samples))
         save_media(self.run_dir, step, out, total)
         return metrics
 

@@ -80,12 +80,11 @@ def sft_flow(cfg: SFTConfig, resume: bool = False) -> dict:
 
     device = resolve_device(cfg.run.device)
     require_loggers(cfg.log)
-    video = FLOW_RECIPES.get(cfg.model.init) if cfg.model.init else None
     run_dir, resume = prepare(cfg.run.dir, cfg.run.overwrite, resume)
     setup_torch(cfg.run.threads, cfg.run.seed)
     state = ckpt.load_latest(run_dir) if resume else None
     policy = load_flow_policy(ckpt.resumed_model(cfg.model, state), cfg.run.seed, device)
-    video = len(policy.sample_shape) == 4 if video is None else video
+    video = len(policy.sample_shape) == 4  # (F, C, H, W) samples
     train = _task_metas(cfg.data.train, video, "data.train")
     held = _task_metas(cfg.data.eval, video, "data.eval") if cfg.data.eval else []
     opt = make_optimizer(torch.nn.ModuleList([policy.unet, policy.encoder]), cfg.optim)

@@ -20,6 +20,7 @@ from regen.errors import RunStopped, UserError
 from regen.evaluate import fmt_eval, run_eval
 from regen.policies.lm import LMPolicy, LMRollout, concat_rollouts
 from regen.rewards import Sample
+from regen.runtime.metrics import nanmean
 from regen.runtime.optim import lr_at, set_lr
 from regen.runtime.progress import StepProgress
 from regen.runtime.signals import GracefulStop
@@ -351,7 +352,7 @@ def step_metrics(batch, rewards, parts, adv_m, upd: dict, lr: float, times) -> d
     return {
         "reward/mean": float(finite.mean()) if len(finite) else float("nan"),
         "reward/std": float(finite.std()) if len(finite) > 1 else 0.0,
-        **{f"reward/{k}": _nanmean(v) for k, v in parts.items()},
+        **{f"reward/{k}": nanmean(v) for k, v in parts.items()},
         "reward/missing_frac": float(adv_m["missing_frac"]),
         "reward/zero_std_frac": float(adv_m["zero_std_frac"]),
         "loss": upd.pop("loss", float("nan")),
@@ -370,9 +371,3 @@ def step_metrics(batch, rewards, parts, adv_m, upd: dict, lr: float, times) -> d
         "time/step_s": t3 - t0,
         "throughput/samples_per_s": len(lengths) / (t3 - t0),
     }
-
-
-def _nanmean(xs: list[float]) -> float:
-    ok = [x for x in xs if x == x]
-    return sum(ok) / len(ok) if ok else float("nan")
-

@@ -83,22 +83,8 @@ class Session:
     def save(self, step: int) -> Path | None:
         """Write a checkpoint; a failed write (disk full...) raises an alert and returns None:
         earlier checkpoints are untouched and training goes on."""
-        tree = redact(self.cfg.model_dump(mode="json"))
-        try:
-            folder = ckpt.save_checkpoint(
-                self.run_dir, step, self.policy.save_pretrained, self.opt,
-                rng={"sampler": self.gen.get_state(), "torch_cpu": torch.get_rng_state()},
-                state={"data": self.data.state(), "healthy": not self.health.problem,
-                       "health": self.health.state(), "reward_versions": self.reward.versions(), "config": tree,
-                       "versions": versions(self.cfg.model.path or self.cfg.model.init, self.reward.versions(), tree)},
-                keep_last=self.cfg.checkpoint.keep_last,
-                save_extra=None if self.critic is None else self._save_critic,
-            )
-        except OSError as e:
-            self.alerts.fire(step, "checkpoint_failed", f"checkpoint at step {step} not written: {e.strerror or e}")
-            return None
-        self.health.checkpointed()
-        if self.mirror is not None:
+        folder = save_run_checkpoint(self, step, None if self.critic is None else self._save_critic)
+        if folder is not None and self.mirror is not None:
             self.mirror.submit(folder)  # background upload; failures become alerts
         return folder
 
@@ -138,6 +124,28 @@ class Session:
             self.mirror.close()  # waits for the uploads still in flight
         self.alerts.flush()
         mark_closed(self.run_dir, end_status(self.run_dir, self.cfg.train.steps))
+
+
+def save_run_checkpoint(run, step: int, save_extra=None) -> Path | None:
+    """The checkpoint of an RL run (a Session or a FlowRun: weights, optimizer, RNG streams,
+    data position, health, reward versions, config). A failed write (disk full...) raises an
+    alert and returns None: earlier checkpoints are untouched and training goes on."""
+    tree = redact(run.cfg.model_dump(mode="json"))
+    try:
+        folder = ckpt.save_checkpoint(
+            run.run_dir, step, run.policy.save_pretrained, run.opt,
+            rng={"sampler": run.gen.get_state(), "torch_cpu": torch.get_rng_state()},
+            state={"data": run.data.state(), "healthy": not run.health.problem,
+                   "health": run.health.state(), "reward_versions": run.reward.versions(), "config": tree,
+                   "versions": versions(run.cfg.model.path or run.cfg.model.init, run.reward.versions(), tree)},
+            keep_last=run.cfg.checkpoint.keep_last,
+            save_extra=save_extra,
+        )
+    except OSError as e:
+        run.alerts.fire(step, "checkpoint_failed", f"checkpoint at step {step} not written: {e.strerror or e}")
+        return None
+    run.health.checkpointed()
+    return folder
 
 
 def run_inputs(cfg: RLConfig) -> tuple[CombinedReward, list[PromptItem], list[PromptItem]]:

@@ -79,6 +79,12 @@ def _clean(v):
     return v
 
 
+def nanmean(xs) -> float:
+    """Mean of the values that are present (None and NaN mark missing ones); NaN if none is."""
+    ok = [x for x in xs if x is not None and x == x]
+    return sum(ok) / len(ok) if ok else float("nan")
+
+
 def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
