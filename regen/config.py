@@ -30,13 +30,15 @@ class LoraSettings(Section):
     alpha: float = Field(16.0, gt=0.0, description="LoRA scaling alpha (scale = alpha / r).")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA path.")
     target_modules: list[str] | None = Field(
-        None, description="Module names to adapt; null = peft's default for the architecture."
+        None, description="Module names to adapt; null = peft's default for a causal LM, and for flow models the "
+        "attention projections and resnet convolutions (regen/policies/flow_lora.py DEFAULT_TARGETS)."
     )
 
 
 class ModelConfig(Section):
     path: str | None = Field(
-        None, description="Local Hugging Face folder (or hub id, where a network exists) of a causal LM."
+        None, description="Local Hugging Face folder (or hub id, where a network exists) of a causal LM, or a regen "
+        "flow model folder (flow_policy.json: the shapes models, export/ of a flow run)."
     )
     init: str | None = Field(
         None, description="Create a fresh model from a built-in recipe instead of loading one (e.g. 'arith-char-gpt2')."

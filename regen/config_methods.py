@@ -51,4 +51,8 @@ class FlowConfig(Section):
     nft_beta: float = Field(1.0, gt=0.0, description="DiffusionNFT beta (implicit positive/negative policies).")
     ema_rate: float = Field(1e-3, ge=0.0, description="DiffusionNFT: old-policy EMA decay = min(rate * step, ema_max).")
     ema_max: float = Field(0.5, ge=0.0, lt=1.0, description="DiffusionNFT: largest EMA decay of the old policy.")
+    weight_ema: float | None = Field(
+        None, ge=0.0, lt=1.0, description="Decay of an EMA of the trained weights, updated after every step; "
+        "held-out evaluation and export/ use it (Flow-GRPO keeps one for its evaluations). null = off."
+    )
     awm_weight: Literal["uniform", "t", "t**2"] = Field("uniform", description="AWM loss weight w(t).")

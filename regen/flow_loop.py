@@ -16,12 +16,10 @@ import torch
 
 from regen.algorithms.flow import (
     awm_loss,
-    ema_update_,
     flow_dppo_loss,
     flow_group_advantages,
     flow_grpo_loss,
     gaussian_mean_kl,
-    nft_ema_decay,
     nft_loss,
     nft_optimality,
 )
@@ -47,11 +45,13 @@ def trained_steps(cfg: RLConfig, step: int, gen: torch.Generator) -> torch.Tenso
     return sde_steps(f.steps, "window", f.sde_window, start)
 
 
-def to_samples(batch: FlowSample, items, n: int) -> list[Sample]:
-    """What a reward sees: the prompt, its row's attributes, and the pixels as uint8."""
+def to_samples(policy: FlowPolicy, batch: FlowSample, items, n: int) -> list[Sample]:
+    """What a reward sees: the prompt, its row's attributes, and the pixels as uint8 (the
+    policy decodes latents; (H, W, 3) images, (F, H, W, 3) videos)."""
     from regen.tasks.shapes import to_uint8
 
-    pix = to_uint8(batch.x0.cpu()).numpy()
+    with torch.no_grad():
+        pix = to_uint8(policy.decode(batch.x0).cpu()).numpy()
     return [Sample(items[i // n].prompt, "", items[i // n].meta, True, pix[i]) for i in range(len(pix))]
 
 
@@ -179,19 +179,18 @@ def train_flow(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict
                                    f.shift, f.guidance, keep_states=bool(sde.any()))
             t1 = time.perf_counter()
             # 2. score: black-box rewards on the pixels; NaN = missing
-            total, parts = run.reward(to_samples(batch, items, n))
+            total, parts = run.reward(to_samples(policy, batch, items, n))
             rewards = torch.tensor(total, dtype=torch.float32)
             t2 = time.perf_counter()
             # 3. advantage: group-relative, clipped; missing rewards and degenerate groups excluded
             adv, valid, adv_m = flow_group_advantages(rewards, n, f.global_std, f.adv_clip)
             adv, valid = adv.to(policy.device), valid.to(policy.device)
             # 4. update
-            lr = lr_at(step, cfg.optim, cfg.train.steps)
+            lr = lr_at(step, cfg.optim, cfg.train.steps) * run.health.lr_scale
             set_lr(opt, lr)
             fixed = fixed_terms(policy, batch, cfg, run.ref)
             upd = update(policy, opt, batch, adv, valid, cfg, gen, fixed, run.ema) if valid.any() else {}
-            if run.ema is not None:  # DiffusionNFT's old policy follows the new one slowly
-                ema_update_(run.ema.parameters(), policy.unet.parameters(), nft_ema_decay(step, f.ema_rate, f.ema_max))
+            run.follow(step)  # NFT's old policy and the weight EMA
             t3 = time.perf_counter()
             # 5. sync: single process, the sampler is the trained model: nothing to move
             finite = rewards[torch.isfinite(rewards)]
@@ -208,7 +207,8 @@ def train_flow(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict
                 metrics.update(run.evaluate(step))
             run.log.log(step, metrics)
             bar.update(step, f"reward {metrics['reward/mean']:.3f}  {metrics['throughput/samples_per_s']:.1f} samples/s")
-            run.health.observe(step, metrics)
+            if run.health.observe(step, metrics):  # a non-finite streak or a collapse: back to a healthy checkpoint
+                run.rollback(step)
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != cfg.train.steps:
                 run.save(step)
             if stop.requested:
@@ -220,6 +220,6 @@ def train_flow(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict
             run.log.log(step, summary["eval_after"])
     summary["export"] = str(run.run_dir / "export")
     if not summary["stopped_early"]:
-        policy.export(run.run_dir / "export")
+        run.export(run.run_dir / "export")
     run.close()
     return summary

@@ -8,12 +8,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
+from regen.algorithms.flow import ema_update_, nft_ema_decay
 from regen.config import RLConfig, dump_config
 from regen.data import EpochSampler, PromptItem
 from regen.errors import UserError
 from regen.flow_sft import load_flow_policy, save_media
 from regen.policies.flow import FlowPolicy
+from regen.policies.flow_lora import (
+    BaseView,
+    add_lora,
+    load_adapter,
+    load_state,
+    merged,
+    save_adapter,
+    swapped,
+    trainable_state,
+)
 from regen.policies.lm import resolve_device
 from regen.rewards import CombinedReward
 from regen.runtime import checkpoint as ckpt
@@ -22,8 +34,9 @@ from regen.runtime.health import HealthMonitor
 from regen.runtime.metrics import MetricsLogger, nanmean
 from regen.runtime.optim import make_optimizer
 from regen.runtime.rundir import end_status, mark_closed, mark_running, prepare, setup_torch
-from regen.session import resume_state, run_inputs, save_run_checkpoint
+from regen.session import begin_rollback, end_rollback, resume_state, run_inputs, save_run_checkpoint
 
+NFT_OLD, WEIGHT_EMA = "nft_old.safetensors", "weight_ema.safetensors"  # in each checkpoint
 EVAL_SEED_OFFSET = 7919  # held-out samples draw from their own stream: before/after on equal noise
 
 
@@ -44,6 +57,7 @@ class FlowRun:
     start_step: int
     ref: torch.nn.Module | None  # frozen starting UNet, for flow_grpo's KL
     ema: torch.nn.Module | None  # DiffusionNFT's slowly moving old policy
+    weight_ema: torch.nn.Module | None  # flow.weight_ema: the weights evaluated and exported
 
     @classmethod
     def start(cls, cfg: RLConfig, resume: bool = False, force: bool = False) -> FlowRun:
@@ -57,21 +71,17 @@ class FlowRun:
         setup_torch(cfg.run.threads, cfg.run.seed)
         alerts = Alerts(run_dir, webhook_url=cfg.health.webhook_url)
         state = resume_state(cfg, run_dir, alerts, force) if resume else None
-        policy = load_flow_policy(ckpt.resumed_model(cfg.model, state), cfg.run.seed, device)
-        ref = ema = None
+        folder = None if state is None else state["folder"]
+        policy = build_policy(cfg, device, None if state is None else state["model_dir"])
+        ref = None
         if cfg.algorithm.name == "flow_grpo" and f.kl_coef > 0:  # the run's starting model, also after a resume
-            start = policy if state is None else load_flow_policy(cfg.model, cfg.run.seed, device)
-            ref = copy.deepcopy(start.unet).eval().requires_grad_(False)
-        if cfg.algorithm.name == "nft":
-            ema = copy.deepcopy(policy.unet).eval().requires_grad_(False)
-            if state is not None and (state["folder"] / "ema").is_dir():
-                from diffusers import UNet2DModel
-
-                ema.load_state_dict(UNet2DModel.from_pretrained(str(state["folder"] / "ema")).state_dict())
-        # RL trains the velocity model only; the prompt encoder stays as pretrained, as text
-        # encoders do in Flow-GRPO / DiffusionNFT. A moving encoder would also move NFT's
-        # "old" policy (the EMA UNet reads the same prompt vectors).
-        policy.encoder.requires_grad_(False)
+            if cfg.model.lora is not None:
+                ref = BaseView(policy.unet)  # the base is the network with its adapter off: no copy
+            else:
+                start = policy if state is None else build_policy(cfg, device)
+                ref = copy.deepcopy(start.unet).eval().requires_grad_(False)
+        ema = frozen_copy(policy.unet, folder, NFT_OLD, alerts) if cfg.algorithm.name == "nft" else None
+        weight_ema = frozen_copy(policy.unet, folder, WEIGHT_EMA, alerts) if f.weight_ema is not None else None
         opt = make_optimizer(policy.unet, cfg.optim)
         data = EpochSampler(len(prompts), cfg.run.seed)
         gen = torch.Generator().manual_seed(cfg.run.seed)
@@ -86,11 +96,52 @@ class FlowRun:
         log = MetricsLogger(run_dir, cfg.log, config=cfg, resume=state is not None,
                             warn=lambda step, m: alerts.fire(step, "logger_failed", m))
         return cls(cfg, run_dir, policy, opt, data, gen, reward, prompts, eval_items, log, alerts, health,
-                   start_step, ref, ema)
+                   start_step, ref, ema, weight_ema)
 
     def save(self, step: int) -> Path | None:
-        return save_run_checkpoint(self, step, None if self.ema is None else
-                                   (lambda folder: self.ema.save_pretrained(str(folder / "ema"), safe_serialization=True)))
+        return save_run_checkpoint(self, step, self._save_extra, save_model=self._save_model)
+
+    def _save_model(self, folder: Path) -> None:
+        if self.cfg.model.lora is not None:
+            save_adapter(self.policy.unet, folder, self.cfg.model.lora)  # the base is model.path
+        else:
+            self.policy.save_pretrained(folder)
+
+    def _save_extra(self, folder: Path) -> None:
+        for name, net in ((NFT_OLD, self.ema), (WEIGHT_EMA, self.weight_ema)):
+            if net is not None:
+                save_file({k: v.detach().cpu().contiguous() for k, v in trainable_state(net).items()},
+                          str(folder / name))
+
+    def follow(self, step: int) -> None:
+        """After an update: NFT's old policy and the weight EMA move toward the new weights."""
+        if self.ema is not None:  # DiffusionNFT's old policy follows the new one slowly
+            f = self.cfg.flow
+            ema_update_(*trained_pairs(self.ema, self.policy.unet), nft_ema_decay(step, f.ema_rate, f.ema_max))
+        if self.weight_ema is not None:
+            ema_update_(*trained_pairs(self.weight_ema, self.policy.unet), self.cfg.flow.weight_ema)
+
+    def rollback(self, step: int) -> None:
+        """Weights, optimizer, NFT's old policy and the weight EMA back to the last healthy
+        checkpoint (or the starting model); the learning rate scaled down. Data and RNG streams
+        keep moving forward, so the batches that went wrong are not replayed."""
+        folder = begin_rollback(self, step)
+        back = build_policy(self.cfg, self.policy.device, None if folder is None else folder / "model")
+        self.policy.unet.load_state_dict(back.unet.state_dict())
+        if folder is None:
+            self.opt.state.clear()  # back to the start: a fresh optimizer
+        else:
+            self.opt.load_state_dict(ckpt.load_checkpoint(folder)["optimizer"])
+        for name, net in ((NFT_OLD, self.ema), (WEIGHT_EMA, self.weight_ema)):
+            if net is not None:
+                net.load_state_dict(frozen_copy(self.policy.unet, folder, name, self.alerts).state_dict())
+        end_rollback(self, step, folder)
+
+    def export(self, folder: Path) -> None:
+        """The export folder: the weight EMA when kept, LoRA merged in (loads without peft)."""
+        net = self.weight_ema if self.weight_ema is not None else self.policy.unet
+        with swapped(self.policy, merged(net) if self.cfg.model.lora is not None else net):
+            self.policy.export(folder)
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Held-out prompts, sampled with the ODE and fixed noise; mean reward of each term and
@@ -100,20 +151,57 @@ class FlowRun:
         e, f = self.cfg.eval, self.cfg.flow
         items = self.eval_items[: e.num_prompts]
         gen = torch.Generator().manual_seed(self.cfg.run.seed + EVAL_SEED_OFFSET)
-        out = self.policy.sample_ode([it.prompt for it in items], e.samples_per_prompt, gen, f.eval_steps, f.shift,
-                                     f.guidance)
-        samples = to_samples(out, items, e.samples_per_prompt)
+        with swapped(self.policy, self.weight_ema or self.policy.unet):  # Flow-GRPO evaluates its EMA
+            out = self.policy.sample_ode([it.prompt for it in items], e.samples_per_prompt, gen, f.eval_steps, f.shift,
+                                         f.guidance)
+        samples = to_samples(self.policy, out, items, e.samples_per_prompt)
         total, parts = self.reward(samples)
         metrics = {"eval/reward": nanmean(total), **{f"eval/{k}": nanmean(v) for k, v in parts.items()}}
         if all("colour" in it.meta for it in items):  # the built-in shapes: did it draw what was asked?
             from regen.rewards.adherence import AdherenceAccuracy
 
             # logged beside any reward, so a reward that is hacked (a flat colour) shows here
-            metrics["eval/adherence"] = nanmean(AdherenceAccuracy()(samples))
-        save_media(self.run_dir, step, out, total)
+            metrics["eval/adherence_accuracy"] = nanmean(AdherenceAccuracy()(samples))
+        save_media(self.run_dir, step, out, total, policy=self.policy)
         return metrics
 
     def close(self) -> None:
         self.log.close()
         self.alerts.flush()
         mark_closed(self.run_dir, end_status(self.run_dir, self.cfg.train.steps))
+
+
+def build_policy(cfg: RLConfig, device: torch.device, model_dir: Path | None = None) -> FlowPolicy:
+    """The policy to train: the starting model, or a checkpoint's model/ (resume, rollback);
+    with model.lora, the starting model plus a fresh adapter or the checkpoint's."""
+    lora = cfg.model.lora
+    source = cfg.model if model_dir is None or lora is not None else ckpt.resumed_model(cfg.model, {"model_dir": model_dir})
+    policy = load_flow_policy(source, cfg.run.seed, device)
+    if lora is not None:
+        add_lora(policy.unet, lora, cfg.run.seed)
+        if model_dir is not None:
+            load_adapter(policy.unet, model_dir)
+    # RL trains the velocity model only; the prompt encoder stays as pretrained, as text
+    # encoders do in Flow-GRPO / DiffusionNFT. A moving encoder would also move NFT's
+    # "old" policy (the EMA UNet reads the same prompt vectors).
+    policy.encoder.requires_grad_(False)
+    return policy
+
+
+def frozen_copy(net: torch.nn.Module, folder: Path | None, name: str, alerts: Alerts) -> torch.nn.Module:
+    """A frozen copy of `net` (NFT's old policy, the weight EMA), with the trained tensors saved
+    as `name` in checkpoint `folder` when given; a checkpoint without them starts a new copy."""
+    out = copy.deepcopy(net).eval().requires_grad_(False)
+    if folder is not None:
+        file = folder / name
+        if file.is_file():
+            load_state(out, load_file(str(file)), str(file))
+        else:
+            alerts.fire(-1, "checkpoint_incomplete", f"{folder.name} holds no {name}: it starts from the current weights")
+    return out
+
+
+def trained_pairs(copy_net: torch.nn.Module, net: torch.nn.Module) -> tuple[list, list]:
+    """The copy's and the network's parameters that training changes, in the same order."""
+    names = {n for n, p in net.named_parameters() if p.requires_grad}
+    return ([p for n, p in copy_net.named_parameters() if n in names], [p for n, p in net.named_parameters() if n in names])

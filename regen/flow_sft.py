@@ -27,13 +27,21 @@ FLOW_RECIPES = {"shapes-unet": False, "moving-shapes-unet": True}  # name -> vid
 def is_flow_model(model_cfg) -> bool:
     if model_cfg.init is not None:
         return model_cfg.init in FLOW_RECIPES
-    return (Path(model_cfg.path).expanduser() / "flow_policy.json").is_file()
+    from regen.policies.flow_latent import model_kind
+
+    # a regen flow folder (flow_policy.json), or a diffusers SD3 / Wan pipeline folder
+    return model_kind(model_cfg.path) is not None
 
 
 def load_flow_policy(model_cfg, seed: int, device: torch.device) -> FlowPolicy:
     if model_cfg.init is not None:
         return FlowPolicy.builtin(FLOW_RECIPES[model_cfg.init], seed, device)
-    return FlowPolicy.load(model_cfg.path, device, getattr(torch, model_cfg.dtype))
+    from regen.policies.flow_latent import model_kind, policy_class
+
+    # dispatch on flow_policy.json's kind (or model_index.json's pipeline class): the built-in
+    # UNet, SD3 or Wan
+    cls = policy_class(model_kind(model_cfg.path) or "shapes")
+    return cls.load(model_cfg.path, device, getattr(torch, model_cfg.dtype))
 
 
 def _task_metas(spec: str, video: bool, where: str) -> list[dict]:
@@ -48,9 +56,11 @@ def _task_metas(spec: str, video: bool, where: str) -> list[dict]:
     return train if parts[2] == "train" else test
 
 
-def save_media(run_dir: Path, step: int, sample: FlowSample, rewards: list[float] | None = None, limit: int = 16):
+def save_media(run_dir: Path, step: int, sample: FlowSample, rewards: list[float] | None = None, limit: int = 16,
+               policy: FlowPolicy | None = None):
     """The first `limit` samples as PNG (images) or GIF (videos) under samples/step_N/, with a
-    samples/step_N.jsonl row each (prompt, reward, image path relative to the run dir)."""
+    samples/step_N.jsonl row each (prompt, reward, image path relative to the run dir).
+    `policy` decodes sample.x0 to pixels (latent models); without it x0 must be pixels."""
     from PIL import Image
 
     from regen.evaluate import write_samples
@@ -58,18 +68,21 @@ def save_media(run_dir: Path, step: int, sample: FlowSample, rewards: list[float
 
     folder = run_dir / "samples" / f"step_{step:08d}"
     folder.mkdir(parents=True, exist_ok=True)
-    pix = to_uint8(sample.x0[:limit].cpu())
+    x0 = sample.x0[:limit]
+    pix = to_uint8((x0 if policy is None else policy.decode(x0)).detach().cpu())
+    up = max(1, 64 // pix.shape[-2])  # small samples upscaled to 64 px so they can be seen, large ones kept
+    size = (pix.shape[-2] * up, pix.shape[-3] * up)  # PIL: (width, height)
     rows = []
     for i, arr in enumerate(pix):
         row = {"prompt": sample.prompts[i], "reward": None if rewards is None else rewards[i]}
-        if arr.dim() == 4:  # video: an animated GIF, 4x upscaled so 16 px frames can be seen
-            frames = [Image.fromarray(f.numpy()).resize((64, 64), Image.NEAREST) for f in arr]
+        if arr.dim() == 4:  # video: an animated GIF
+            frames = [Image.fromarray(f.numpy()).resize(size, Image.NEAREST) for f in arr]
             path = folder / f"{i}.gif"
             frames[0].save(path, save_all=True, append_images=frames[1:], duration=120, loop=0)
             row["video"] = str(path.relative_to(run_dir))
         else:
             path = folder / f"{i}.png"
-            Image.fromarray(arr.numpy()).resize((64, 64), Image.NEAREST).save(path)
+            Image.fromarray(arr.numpy()).resize(size, Image.NEAREST).save(path)
             row["image"] = str(path.relative_to(run_dir))
         rows.append(row)
     write_samples(run_dir, step, rows)
@@ -80,6 +93,9 @@ def sft_flow(cfg: SFTConfig, resume: bool = False) -> dict:
 
     device = resolve_device(cfg.run.device)
     require_loggers(cfg.log)
+    if cfg.model.lora is not None:
+        raise UserError("model.lora: flow-matching pretraining (regen sft) trains every weight; LoRA is for "
+                        "`regen train` of a flow model")
     run_dir, resume = prepare(cfg.run.dir, cfg.run.overwrite, resume)
     setup_torch(cfg.run.threads, cfg.run.seed)
     state = ckpt.load_latest(run_dir) if resume else None
@@ -103,7 +119,7 @@ def sft_flow(cfg: SFTConfig, resume: bool = False) -> dict:
         policy.train(False)
         out = policy.sample_ode(prompts, cfg.eval.samples_per_prompt, gen, steps=20)
         policy.train(True)
-        save_media(run_dir, step, out)
+        save_media(run_dir, step, out, policy=policy)
         return {}
 
     policy.train(True)

@@ -96,11 +96,7 @@ class Session:
         """Return the weights and optimizer to the last healthy checkpoint (or the starting
         model) and scale the learning rate down. Data and RNG streams keep moving forward, so
         the batches that went wrong are not replayed."""
-        if self.health.rollbacks >= self.cfg.health.max_rollbacks:
-            self.save(step)
-            raise RunStopped(f"stopped at step {step}: still unhealthy after {self.health.rollbacks} rollbacks "
-                             f"(see {self.run_dir / 'alerts.jsonl'})")
-        folder = ckpt.latest_healthy(self.run_dir)
+        folder = begin_rollback(self, step)
         weights, _, _ = _load_policy_model(self.cfg, None if folder is None else {"model_dir": folder / "model"})
         self.policy.model.load_state_dict(weights.state_dict())
         if folder is None:
@@ -114,9 +110,7 @@ class Session:
             self.critic_opt.state.clear()
             if folder is not None:
                 self.critic_opt.load_state_dict(critic_opt.state_dict())
-        self.health.rolled_back()
-        self.alerts.fire(step, "rollback", f"rolled back to {folder.name if folder else 'the starting model'}; "
-                         f"learning rate x{self.health.lr_scale:g}", lr_scale=self.health.lr_scale)
+        end_rollback(self, step, folder)
 
     def close(self) -> None:
         self.log.close()
@@ -126,14 +120,31 @@ class Session:
         mark_closed(self.run_dir, end_status(self.run_dir, self.cfg.train.steps))
 
 
-def save_run_checkpoint(run, step: int, save_extra=None) -> Path | None:
+def begin_rollback(run, step: int) -> Path | None:
+    """The checkpoint a rollback of `run` (a Session or a FlowRun) returns to (None: the
+    starting model); past health.max_rollbacks, a last checkpoint and the run stops instead."""
+    if run.health.rollbacks >= run.cfg.health.max_rollbacks:
+        run.save(step)
+        raise RunStopped(f"stopped at step {step}: still unhealthy after {run.health.rollbacks} rollbacks "
+                         f"(see {run.run_dir / 'alerts.jsonl'})")
+    return ckpt.latest_healthy(run.run_dir)
+
+
+def end_rollback(run, step: int, folder: Path | None) -> None:
+    run.health.rolled_back()
+    run.alerts.fire(step, "rollback", f"rolled back to {folder.name if folder else 'the starting model'}; "
+                    f"learning rate x{run.health.lr_scale:g}", lr_scale=run.health.lr_scale)
+
+
+def save_run_checkpoint(run, step: int, save_extra=None, save_model=None) -> Path | None:
     """The checkpoint of an RL run (a Session or a FlowRun: weights, optimizer, RNG streams,
-    data position, health, reward versions, config). A failed write (disk full...) raises an
-    alert and returns None: earlier checkpoints are untouched and training goes on."""
+    data position, health, reward versions, config). save_model(folder) writes model/ (default:
+    the policy's save_pretrained). A failed write (disk full...) raises an alert and returns
+    None: earlier checkpoints are untouched and training goes on."""
     tree = redact(run.cfg.model_dump(mode="json"))
     try:
         folder = ckpt.save_checkpoint(
-            run.run_dir, step, run.policy.save_pretrained, run.opt,
+            run.run_dir, step, save_model or run.policy.save_pretrained, run.opt,
             rng={"sampler": run.gen.get_state(), "torch_cpu": torch.get_rng_state()},
             state={"data": run.data.state(), "healthy": not run.health.problem,
                    "health": run.health.state(), "reward_versions": run.reward.versions(), "config": tree,

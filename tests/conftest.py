@@ -27,3 +27,25 @@ def base_model(tmp_path_factory) -> Path:
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def flow_base(tmp_path_factory) -> str:
+    """The built-in 16x16 shapes flow model after a short flow-matching pretraining (export folder)."""
+    run = tmp_path_factory.mktemp("flow_sft")
+    assert main(["sft", "model.init=shapes-unet", "data.train=builtin:shapes:train", "data.eval=null",
+                 f"run.dir={run}", "sft.steps=40", "sft.global_batch_size=32", "optim.lr=2e-3",
+                 "log.progress=none", "log.tensorboard=false", "run.threads=2"]) == 0
+    return str(run / "export")
+
+
+BRIGHT = "reward=[{name: brightness, args: {target: 0.6}}]"
+
+
+def flow_rl(run, base, algo, *extra) -> int:
+    """`regen train` of the shapes flow model: 2 prompts x 4 samples per step, 4 sampling steps."""
+    return main(["train", f"model.path={base}", f"algorithm.name={algo}", f"run.dir={run}",
+                 "data.train=builtin:shapes:train", "data.eval=builtin:shapes:test", "eval.num_prompts=2",
+                 "eval.samples_per_prompt=2", "rollout.global_batch_size=8", "rollout.group_size=4",
+                 "flow.steps=4", "flow.eval_steps=4", "log.progress=none", "log.tensorboard=false",
+                 "optim.lr=1e-4", "run.threads=2", BRIGHT, *extra])

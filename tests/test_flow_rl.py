@@ -10,26 +10,9 @@ import torch
 from safetensors.torch import load_file
 
 from regen.cli import main
-from tests.conftest import read_jsonl
+from tests.conftest import flow_rl, read_jsonl
 
-BRIGHT = "reward=[{name: brightness, args: {target: 0.6}}]"
-
-
-@pytest.fixture(scope="module")
-def flow_base(tmp_path_factory):
-    run = tmp_path_factory.mktemp("flow_sft")
-    assert main(["sft", "model.init=shapes-unet", "data.train=builtin:shapes:train", "data.eval=null",
-                 f"run.dir={run}", "sft.steps=40", "sft.global_batch_size=32", "optim.lr=2e-3",
-                 "log.progress=none", "log.tensorboard=false", "run.threads=2"]) == 0
-    return str(run / "export")
-
-
-def rl(run, base, algo, *extra):
-    return main(["train", f"model.path={base}", f"algorithm.name={algo}", f"run.dir={run}",
-                 "data.train=builtin:shapes:train", "data.eval=builtin:shapes:test", "eval.num_prompts=2",
-                 "eval.samples_per_prompt=2", "rollout.global_batch_size=8", "rollout.group_size=4",
-                 "flow.steps=4", "flow.eval_steps=4", "log.progress=none", "log.tensorboard=false",
-                 "optim.lr=1e-4", "run.threads=2", BRIGHT, *extra])
+rl = flow_rl
 
 
 @pytest.mark.parametrize("algo", ["flow_grpo", "flow_dppo"])
@@ -65,15 +48,15 @@ def test_nft_checkpoints_its_ema_and_resumes_exactly(flow_base, tmp_path):
     assert rl(b, flow_base, "nft", "train.steps=2", "flow.ema_rate=0.2") == 0
     assert rl(b, flow_base, "nft", "train.steps=4", "flow.ema_rate=0.2", "--resume") == 0
     manifest = json.loads((a / "checkpoints" / "step_00000004" / "manifest.json").read_text())["sha256"]
-    assert "ema/diffusion_pytorch_model.safetensors" in manifest
-    for sub in ("model/unet", "ema"):
-        wa = load_file(str(a / "checkpoints" / "step_00000004" / sub / "diffusion_pytorch_model.safetensors"))
-        wb = load_file(str(b / "checkpoints" / "step_00000004" / sub / "diffusion_pytorch_model.safetensors"))
-        assert all(torch.equal(wa[k], wb[k]) for k in wa), sub
+    assert "nft_old.safetensors" in manifest
+    for sub in ("model/unet/diffusion_pytorch_model.safetensors", "nft_old.safetensors"):
+        wa = load_file(str(a / "checkpoints" / "step_00000004" / sub))
+        wb = load_file(str(b / "checkpoints" / "step_00000004" / sub))
+        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), sub
     # the EMA trails the policy: after training they differ
     w = load_file(str(a / "checkpoints" / "step_00000004" / "model" / "unet" / "diffusion_pytorch_model.safetensors"))
-    e = load_file(str(a / "checkpoints" / "step_00000004" / "ema" / "diffusion_pytorch_model.safetensors"))
-    assert any(not torch.equal(w[k], e[k]) for k in w)
+    e = load_file(str(a / "checkpoints" / "step_00000004" / "nft_old.safetensors"))
+    assert w.keys() == e.keys() and any(not torch.equal(w[k], e[k]) for k in w)
 
 
 @pytest.mark.parametrize("algo", ["nft", "awm"])

@@ -1,5 +1,7 @@
 """Flow-matching image/video policy: a velocity model v(x_sigma, sigma, cond), a prompt
-conditioner, and a decoder (identity: the built-in models work in pixel space).
+conditioner, and a decoder (identity: the built-in models work in pixel space; the latent
+diffusers models in `regen.policies.flow_sd3` / `flow_wan` subclass this one and decode with
+their VAE).
 
 The built-in models are diffusers `UNet2DModel`s with tiny configs, conditioned through the
 UNet's own class-embedding path (`class_embed_type="identity"`: the prompt vector is added
@@ -52,7 +54,7 @@ class PromptEncoder(nn.Module):
 class FlowSample:
     """A batch of B = prompts x group_size generated samples."""
 
-    x0: torch.Tensor  # (B, C, H, W) images or (B, F, C, H, W) videos, data space [-1, 1]
+    x0: torch.Tensor  # (B, *sample_shape) in model space: pixels [-1, 1] here, latents for VAE models
     prompts: list[str]  # (B,)
     sigmas: torch.Tensor  # (S+1,) the sampling grid, 1 -> 0
     states: torch.Tensor | None = None  # (B, S+1, *x0.shape[1:]) the trajectory (SDE methods)
@@ -129,6 +131,8 @@ class FlowPolicy:
         self.encoder.train(mode)
 
     # ---------------------------------------------------------------- the velocity field
+    # A condition is whatever `self.encoder(prompts)` returns: here a (B, D) tensor, for SD3 a
+    # tuple of tensors; only `velocity` and `_cat_cond` look inside it.
 
     def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, unet=None) -> torch.Tensor:
         """v(x_sigma, sigma, cond) = d x / d sigma; x (B, *sample_shape), sigma (B,), cond (B, D).
@@ -143,9 +147,24 @@ class FlowPolicy:
         """Classifier-free guidance (Ho & Salimans 2022): v_null + scale * (v_cond - v_null)."""
         if scale == 1.0:
             return self.velocity(x, sigma, cond, unet)
-        v = self.velocity(torch.cat([x, x]), torch.cat([sigma, sigma]), torch.cat([cond, null]), unet)
+        v = self.velocity(torch.cat([x, x]), torch.cat([sigma, sigma]), self._cat_cond(cond, null), unet)
         vc, vu = v.chunk(2)
         return vu + scale * (vc - vu)
+
+    @staticmethod
+    def _cat_cond(cond, null):
+        """The conditional and unconditional batches as one (guidance in one forward pass)."""
+        if isinstance(cond, torch.Tensor):
+            return torch.cat([cond, null])
+        return tuple(torch.cat([c, n]) for c, n in zip(cond, null))
+
+    def decode(self, x0: torch.Tensor) -> torch.Tensor:
+        """Samples -> pixels in [-1, 1], (B, 3, H, W) or (B, F, 3, H, W); identity in pixel space."""
+        return x0
+
+    def _finish(self, x: torch.Tensor) -> torch.Tensor:
+        """The returned sample: pixels are clamped to their range (latent models override)."""
+        return x.clamp(-1, 1)
 
     def flow_matching_loss(self, x0: torch.Tensor, prompts: list[str], gen: torch.Generator,
                            cond_dropout: float = 0.1) -> torch.Tensor:
@@ -180,7 +199,7 @@ class FlowPolicy:
         for i in range(steps):
             v = self.guided_velocity(x, sigmas[i].expand(B), cond, null, guidance)
             x = euler_step(x, v, sigmas[i], sigmas[i + 1])
-        return FlowSample(x.clamp(-1, 1), prompts, sigmas)
+        return FlowSample(self._finish(x), prompts, sigmas)
 
     @torch.no_grad()
     def rollout(self, prompts: list[str], n: int, gen: torch.Generator, steps: int, sde: torch.Tensor,
@@ -208,7 +227,7 @@ class FlowPolicy:
                 x = euler_step(x, v, sig[i], sig[i + 1])
             if keep_states:
                 states.append(x)
-        return FlowSample(x.clamp(-1, 1), prompts, torch.tensor(sig), torch.stack(states, 1) if keep_states else None,
+        return FlowSample(self._finish(x), prompts, torch.tensor(sig), torch.stack(states, 1) if keep_states else None,
                           logps, sde.clone())
 
     def step_logprobs(self, batch: FlowSample, noise_level: float, sampler: str = "sde", guidance: float = 1.0,

@@ -1,0 +1,223 @@
+"""What the diffusers latent flow policies (SD3 images in `flow_sd3`, Wan videos in `flow_wan`)
+share: a diffusers transformer as the velocity network, frozen text encoders as the prompt
+conditioner, a frozen VAE between latents and pixels, and a pipeline-shaped folder.
+
+The sampling code (`sample_ode`, `rollout`, `step_logprobs`) is FlowPolicy's, unchanged: the
+samplers only need v(x_sigma, sigma, cond) with regen's convention x_sigma = (1 - sigma) x0 +
+sigma eps, v = eps - x0, which is what SD3 and Wan transformers predict when given
+timestep = 1000 sigma (diffusers' FlowMatchEulerDiscreteScheduler: timesteps = sigmas * 1000).
+
+On disk a policy is a diffusers pipeline folder (model_index.json, transformer/, vae/,
+text_encoder*/, tokenizer*/, scheduler/, written by the pipeline's own save_pretrained, so
+diffusers loads it as is) plus `flow_policy.json`: kind, pixel size, text length, and the
+latent sample shape. A pipeline folder without flow_policy.json loads with the pipeline's
+default size; a flow_policy.json holding only {"kind": ..., "height": ..., "width": ...}
+picks another.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+from regen.errors import UserError
+from regen.policies.flow import FlowPolicy
+
+PIPELINES = {"StableDiffusion3Pipeline": "sd3", "WanPipeline": "wan"}  # model_index.json _class_name -> kind
+
+
+def _json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"model.path: cannot read {path}: {e}") from None
+
+
+def model_kind(path) -> str | None:
+    """The kind of flow model at `path` ('sd3', 'wan', or a built-in kind), None when it is
+    not one (a language model, a hub id)."""
+    p = Path(str(path)).expanduser()
+    if (p / "flow_policy.json").is_file():
+        return _json(p / "flow_policy.json").get("kind", "shapes")
+    if (p / "model_index.json").is_file():
+        name = _json(p / "model_index.json").get("_class_name")
+        if name not in PIPELINES:
+            raise UserError(
+                f"model.path: '{path}' is a diffusers {name} folder; regen trains "
+                f"{' and '.join(PIPELINES)} folders and its own flow models"
+            )
+        return PIPELINES[name]
+    return None
+
+
+def policy_class(kind: str) -> type[FlowPolicy]:
+    if kind == "sd3":
+        from regen.policies.flow_sd3 import SD3FlowPolicy
+
+        return SD3FlowPolicy
+    if kind == "wan":
+        from regen.policies.flow_wan import WanFlowPolicy
+
+        return WanFlowPolicy
+    return FlowPolicy
+
+
+def load_text_model(folder: Path, default: str, dtype: torch.dtype):
+    """A transformers text encoder saved with save_pretrained, as the class its config names
+    (T5EncoderModel or UMT5EncoderModel, ...), else `default`."""
+    import transformers
+
+    arch = (_json(folder / "config.json").get("architectures") or [default])[0]
+    return getattr(transformers, arch, getattr(transformers, default)).from_pretrained(str(folder), dtype=dtype)
+
+
+def load_tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def check_size(what: str, value: int, multiple: int, folder) -> None:
+    if value <= 0 or value % multiple:
+        raise UserError(
+            f"model.path: '{folder}' flow_policy.json {what}={value} must be a positive multiple of {multiple} "
+            f"(VAE scale x patch size)"
+        )
+
+
+class LatentFlowPolicy(FlowPolicy):
+    """A FlowPolicy over VAE latents. `self.unet` is the diffusers transformer (the only
+    trained part: `parameters()`), `self.encoder` the frozen prompt conditioner, `self.vae`
+    the frozen VAE. Subclasses give the classes, the layout and five methods: complete (the
+    meta: sizes and sample shape), load_encoder, pipeline, velocity, decode / encode."""
+
+    KIND = TRANSFORMER = VAE = LAYOUT = ""  # the kind and the diffusers class names
+    SCHEDULER = "FlowMatchEulerDiscreteScheduler"  # written when the source folder had none
+    PARTS: tuple[str, ...] = ()  # required subfolders
+
+    def __init__(self, transformer, encoder, vae, scheduler, meta: dict, device: torch.device):
+        meta = self.complete(meta, transformer, vae)
+        # frozen as in Flow-GRPO / DiffusionNFT; eval() also keeps T5's dropout off, so the
+        # condition is a function of the prompt alone (re-scoring must see what sampling saw)
+        encoder.requires_grad_(False).eval()
+        super().__init__(transformer, encoder, tuple(meta["sample_shape"]), device, self.KIND)
+        self.vae = vae.to(device).eval().requires_grad_(False)
+        self.scheduler = scheduler  # carried to the saved folder only: regen samples with flow.shift
+        self.meta = meta
+
+    @classmethod
+    def load(cls, folder, device: torch.device, dtype: torch.dtype = torch.float32) -> LatentFlowPolicy:
+        import diffusers
+
+        p = Path(folder).expanduser()
+        missing = [s + "/" for s in cls.PARTS if not (p / s).is_dir()]
+        if missing:
+            raise UserError(f"model.path: '{folder}' has no {', '.join(missing)} ({cls.LAYOUT})")
+        meta = _json(p / "flow_policy.json") if (p / "flow_policy.json").is_file() else {}
+        transformer = getattr(diffusers, cls.TRANSFORMER).from_pretrained(str(p / "transformer"), torch_dtype=dtype)
+        vae = getattr(diffusers, cls.VAE).from_pretrained(str(p / "vae"), torch_dtype=dtype)
+        meta = cls.complete(meta, transformer, vae, p)
+        sched = p / "scheduler" / "scheduler_config.json"
+        name = _json(sched).get("_class_name", cls.SCHEDULER) if sched.is_file() else cls.SCHEDULER
+        scheduler_cls = getattr(diffusers, name, getattr(diffusers, cls.SCHEDULER))
+        scheduler = scheduler_cls.from_pretrained(str(sched.parent)) if sched.is_file() else scheduler_cls()
+        return cls(transformer, cls.load_encoder(p, dtype, meta, transformer), vae, scheduler, meta, device)
+
+    def save_pretrained(self, folder: Path) -> None:
+        """The pipeline's own save_pretrained (a folder diffusers loads as is) + flow_policy.json."""
+        folder = Path(folder)
+        self.pipeline().save_pretrained(str(folder), safe_serialization=True)
+        (folder / "flow_policy.json").write_text(json.dumps({**self.meta, "kind": self.kind}, indent=1))
+
+    def export(self, folder: Path) -> None:  # the checkpoint form is already the diffusers form
+        self.save_pretrained(folder)
+
+    def parameters(self):
+        return list(self.unet.parameters())
+
+    def train(self, mode: bool = True) -> None:
+        self.unet.train(mode)  # text encoders and VAE stay in eval mode: frozen
+
+    def _finish(self, x: torch.Tensor) -> torch.Tensor:
+        return x  # latents have no fixed range; decode clamps the pixels
+
+    def _dtype(self) -> torch.dtype:
+        # of the policy's own network: `unet=` may be a callable view (LoRA's base) without one
+        return next(self.unet.parameters()).dtype
+
+    def flow_matching_loss(
+        self, x0: torch.Tensor, prompts: list[str], gen: torch.Generator, cond_dropout: float = 0.1
+    ) -> torch.Tensor:
+        """x0 in pixel space, as regen's SFT loop draws it ((B, 3, H, W) images, (B, F, 3, H, W)
+        videos, [-1, 1]): encoded with the frozen VAE, then FlowPolicy's rectified-flow loss on
+        the latents, the space SD3 and Wan were trained in."""
+        with torch.no_grad():
+            z = self.encode(x0.to(self.device))
+        return super().flow_matching_loss(z, prompts, gen, cond_dropout)
+
+
+# ---------------------------------------------------------------- tiny tokenizers, built locally
+
+TINY_WORDS = [
+    "a",
+    "an",
+    "at",
+    "the",
+    "of",
+    "moving",
+    "red",
+    "green",
+    "blue",
+    "yellow",
+    "white",
+    "circle",
+    "square",
+    "triangle",
+    "left",
+    "right",
+    "top",
+    "bottom",
+    "centre",
+    "up",
+    "down",
+    "cat",
+    "dog",
+    "photo",
+]
+
+
+def tiny_clip_tokenizer(max_length: int):
+    """A CLIP byte-pair tokenizer over lowercase letters with merges that make TINY_WORDS whole
+    tokens, loaded from vocab.json + merges.txt as a real one is."""
+    from transformers import CLIPTokenizer
+
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for c in "abcdefghijklmnopqrstuvwxyz":
+        vocab.setdefault(c, len(vocab))
+        vocab.setdefault(c + "</w>", len(vocab))
+    merges: list[str] = []
+    for w in TINY_WORDS:
+        parts = [*w[:-1], w[-1] + "</w>"]
+        cur = parts[0]
+        for nxt in parts[1:]:
+            if f"{cur} {nxt}" not in merges:
+                merges.append(f"{cur} {nxt}")
+            cur += nxt
+            vocab.setdefault(cur, len(vocab))
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "vocab.json").write_text(json.dumps(vocab))
+        (Path(d) / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+        return CLIPTokenizer.from_pretrained(d, model_max_length=max_length)
+
+
+def tiny_t5_tokenizer(max_length: int):
+    """A T5 (unigram) tokenizer with T5's ids (pad 0, </s> 1 appended, unk 2): TINY_WORDS as
+    whole pieces, single letters for the rest. Built from a vocabulary list: no sentencepiece."""
+    from transformers import T5Tokenizer
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+    pieces += [("▁" + w, -1.0) for w in TINY_WORDS] + [(c, -5.0) for c in "abcdefghijklmnopqrstuvwxyz"]
+    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=max_length)
