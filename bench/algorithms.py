@@ -26,38 +26,19 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _runs import ROOT, eval_points, regen
+
 NAMES = ["grpo", "ppo", "dapo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "dpo", "grpo_lora"]
 
 
-def regen(*args: str) -> float:
-    t0 = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "regen", *args], check=False, cwd=ROOT, capture_output=True, text=True)
-    if done.returncode:
-        sys.exit(f"regen {' '.join(args)} failed:\n{done.stderr[-3000:]}")
-    return time.perf_counter() - t0
-
-
 def curve(metrics: Path) -> dict:
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    step_s = {r["step"]: r["time/step_s"] for r in rows if "time/step_s" in r}
-    clock, total, points = {0: 0.0}, 0.0, {}
-    for step in sorted(step_s):
-        total += step_s[step]
-        clock[step] = total
-    for r in rows:
-        if "eval/accuracy" in r:
-            points[r["step"]] = r["eval/accuracy"]  # a later row for the same step wins
-    steps = sorted(points)
-    return {"steps": steps, "seconds": [clock[s] for s in steps], "accuracy": [points[s] for s in steps],
-            "train_s": total, "median_step_ms": 1000 * statistics.median(step_s.values())}
+    c = eval_points(metrics, ["eval/accuracy"])
+    return {"steps": c["steps"], "seconds": c["seconds"], "accuracy": c["eval/accuracy"], "train_s": c["train_s"],
+            "median_step_ms": c["median_step_ms"]}
 
 
 def main() -> None:

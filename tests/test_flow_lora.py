@@ -16,7 +16,7 @@ from regen.errors import UserError
 from regen.flow_session import FlowRun
 from regen.policies.flow import FlowPolicy
 from regen.policies.flow_lora import BaseView, add_lora, load_adapter, merged, save_adapter
-from tests.conftest import flow_rl, read_jsonl
+from tests.conftest import NaNAt, flow_rl, read_jsonl
 
 UNET = "unet/diffusion_pytorch_model.safetensors"
 LORA = "model.lora={r: 4, alpha: 8}"
@@ -135,18 +135,6 @@ def test_rollback_restores_weights_optimizer_and_old_policies(flow_base, tmp_pat
     run.close()
     alerts = read_jsonl(run.run_dir / "alerts.jsonl")
     assert alerts[-1]["kind"] == "rollback" and folder.name in alerts[-1]["message"]
-
-
-class NaNAt:
-    """Wraps a loss: NaN on the given calls (1-based), the real loss otherwise."""
-
-    def __init__(self, real, calls):
-        self.real, self.calls, self.n = real, set(calls), 0
-
-    def __call__(self, *a, **kw):
-        self.n += 1
-        loss, m = self.real(*a, **kw)
-        return (loss * float("nan"), m) if self.n in self.calls else (loss, m)
 
 
 def test_persistent_nan_rolls_the_flow_run_back(flow_base, tmp_path, monkeypatch):

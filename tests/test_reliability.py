@@ -22,7 +22,7 @@ from regen.cli import main
 from regen.config import HealthConfig
 from regen.runtime.alerts import Alerts
 from regen.runtime.health import HealthMonitor
-from tests.conftest import read_jsonl
+from tests.conftest import NaNAt, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["rollout.global_batch_size=16", "rollout.group_size=4", "rollout.max_new_tokens=4", "log.progress=none",
@@ -101,18 +101,6 @@ def test_corrupt_latest_checkpoint_falls_back_and_says_so(base_model, tmp_path, 
     assert "step_00000004" in out.err and "does not match its checksum" in out.err
     assert "resuming from" in out.out and "step_00000002" in out.out
     same_run(straight, run)
-
-
-class NaNAt:
-    """Wraps the GRPO loss: returns NaN on the given calls (1-based), the real loss otherwise."""
-
-    def __init__(self, real, calls):
-        self.real, self.calls, self.n = real, set(calls), 0
-
-    def __call__(self, *a, **kw):
-        self.n += 1
-        loss, m = self.real(*a, **kw)
-        return (loss * float("nan"), m) if self.n in self.calls else (loss, m)
 
 
 def test_single_nan_is_skipped(base_model, tmp_path, monkeypatch):
