@@ -161,6 +161,10 @@ class TrainConfig(Section):
         "up to the minibatch (same loss, bounded memory). null = the whole minibatch."
     )
     grad_clip: float = Field(1.0, ge=0.0, description="Max global gradient norm; 0 disables clipping.")
+    offload: bool = Field(
+        False, description="GPU memory: park the optimizer state and idle frozen models (reference, critic, EMA "
+        "copies) in CPU memory while sampling, and bring them back for the update (regen/runtime/offload.py)."
+    )
 
 
 class SFTStepsConfig(Section):

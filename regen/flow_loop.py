@@ -115,7 +115,12 @@ def minibatch_loss(policy: FlowPolicy, sub: FlowSample, rows, adv, valid, mask, 
         r = nft_optimality(adv, f.adv_clip, valid)
         return nft_loss(v, v_old, x0, xt, t, r, f.nft_beta, denoms=denoms)
     weight = None if f.awm_weight == "uniform" else f.awm_weight
-    return awm_loss(v, x0, eps, t, adv, weight=weight, valid=valid, denoms=denoms)
+    anchor = None
+    if ema is not None:  # awm_kl_coef > 0: the EMA anchor's velocity at the same point
+        with torch.no_grad():
+            anchor = policy.velocity(xt, t, cond, unet=ema)
+    return awm_loss(v, x0, eps, t, adv, weight=weight, valid=valid, denoms=denoms, v_anchor=anchor,
+                    anchor_coef=f.awm_kl_coef)
 
 
 def update(policy: FlowPolicy, opt, batch: FlowSample, adv, valid, cfg: RLConfig, gen, fixed, ema) -> dict:
@@ -173,6 +178,7 @@ def train_flow(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict
         for step in range(run.start_step + 1, cfg.train.steps + 1):
             t0 = time.perf_counter()
             # 1. sample: n images (videos) per prompt; SDE steps where the method trains on them
+            run.hooks.enter("sample")  # train.offload: optimizer state and idle copies leave the GPU
             items = [run.prompts[i] for i in run.data.take(cfg.prompts_per_step)]
             sde = trained_steps(cfg, step, gen)
             batch = policy.rollout([it.prompt for it in items], n, gen, f.steps, sde, f.noise_level, f.sampler,
@@ -188,6 +194,7 @@ def train_flow(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict
             # 4. update
             lr = lr_at(step, cfg.optim, cfg.train.steps) * run.health.lr_scale
             set_lr(opt, lr)
+            run.hooks.enter("update")
             fixed = fixed_terms(policy, batch, cfg, run.ref)
             upd = update(policy, opt, batch, adv, valid, cfg, gen, fixed, run.ema) if valid.any() else {}
             run.follow(step)  # NFT's old policy and the weight EMA

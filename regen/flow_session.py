@@ -32,6 +32,7 @@ from regen.runtime import checkpoint as ckpt
 from regen.runtime.alerts import Alerts
 from regen.runtime.health import HealthMonitor
 from regen.runtime.metrics import MetricsLogger, nanmean
+from regen.runtime.offload import PhaseHooks, loop_hooks
 from regen.runtime.optim import make_optimizer
 from regen.runtime.rundir import end_status, mark_closed, mark_running, prepare, setup_torch
 from regen.session import begin_rollback, end_rollback, resume_state, run_inputs, save_run_checkpoint
@@ -56,8 +57,9 @@ class FlowRun:
     health: HealthMonitor
     start_step: int
     ref: torch.nn.Module | None  # frozen starting UNet, for flow_grpo's KL
-    ema: torch.nn.Module | None  # DiffusionNFT's slowly moving old policy
+    ema: torch.nn.Module | None  # DiffusionNFT's slowly moving old policy (AWM's EMA anchor)
     weight_ema: torch.nn.Module | None  # flow.weight_ema: the weights evaluated and exported
+    hooks: PhaseHooks  # run at each phase change (train.offload parks state)
 
     @classmethod
     def start(cls, cfg: RLConfig, resume: bool = False, force: bool = False) -> FlowRun:
@@ -80,7 +82,8 @@ class FlowRun:
             else:
                 start = policy if state is None else build_policy(cfg, device)
                 ref = copy.deepcopy(start.unet).eval().requires_grad_(False)
-        ema = frozen_copy(policy.unet, folder, NFT_OLD, alerts) if cfg.algorithm.name == "nft" else None
+        slow = cfg.algorithm.name == "nft" or (cfg.algorithm.name == "awm" and f.awm_kl_coef > 0)
+        ema = frozen_copy(policy.unet, folder, NFT_OLD, alerts) if slow else None
         weight_ema = frozen_copy(policy.unet, folder, WEIGHT_EMA, alerts) if f.weight_ema is not None else None
         opt = make_optimizer(policy.unet, cfg.optim)
         data = EpochSampler(len(prompts), cfg.run.seed)
@@ -96,7 +99,7 @@ class FlowRun:
         log = MetricsLogger(run_dir, cfg.log, config=cfg, resume=state is not None,
                             warn=lambda step, m: alerts.fire(step, "logger_failed", m))
         return cls(cfg, run_dir, policy, opt, data, gen, reward, prompts, eval_items, log, alerts, health,
-                   start_step, ref, ema, weight_ema)
+                   start_step, ref, ema, weight_ema, loop_hooks(cfg.train.offload, device, [opt], [ref, ema, weight_ema]))
 
     def save(self, step: int) -> Path | None:
         return save_run_checkpoint(self, step, self._save_extra, save_model=self._save_model)

@@ -251,8 +251,10 @@ def train(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
         for step in range(run.start_step + 1, cfg.train.steps + 1):
             t0 = time.perf_counter()
             # 1. sample: a group of n completions for each prompt of this step
+            run.hooks.enter("sample")
             items = [run.prompts[i] for i in data.take(cfg.prompts_per_step)]
             batch = policy.sample([it.prompt for it in items], n, r.temperature, r.top_p, r.max_new_tokens, gen)
+            run.hooks.enter("update")  # reference, critic and optimizer state back for what follows
             t1 = time.perf_counter()
 
             # 2. score: one reward per completion; NaN = missing (excluded, never zero). Scoring

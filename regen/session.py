@@ -4,7 +4,7 @@ to bottom because this file holds the bookkeeping."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -20,6 +20,7 @@ from regen.runtime.alerts import Alerts
 from regen.runtime.health import HealthMonitor
 from regen.runtime.loggers import require as require_loggers
 from regen.runtime.metrics import MetricsLogger
+from regen.runtime.offload import PhaseHooks, loop_hooks
 from regen.runtime.optim import make_optimizer
 from regen.runtime.rundir import end_status, mark_closed, mark_running, prepare, setup_torch, versions
 
@@ -43,6 +44,7 @@ class Session:
     mirror: object | None = None  # S3Mirror when mirror.url is set
     critic: Critic | None = None  # PPO's value model (algorithm.name=ppo) and its optimizer
     critic_opt: torch.optim.Optimizer | None = None
+    hooks: PhaseHooks = field(default_factory=PhaseHooks)  # run at each phase change (train.offload parks state)
 
     @classmethod
     def start(cls, cfg: RLConfig, resume: bool = False, force: bool = False) -> Session:
@@ -74,11 +76,13 @@ class Session:
                 health.load_state(state["state"]["health"])
         dump_config(cfg, run_dir / "config.yaml")
         mark_running(run_dir)  # run.json: `regen status` tells a live run from a dead one
+        hooks = loop_hooks(cfg.train.offload, device, [opt, critic_opt],
+                           [policy.ref, None if critic is None else critic.model])
         return cls(cfg, run_dir, policy, opt, data, gen, reward, prompts, eval_items,
                    MetricsLogger(run_dir, cfg.log, config=cfg, resume=state is not None,
                                  warn=lambda step, m: alerts.fire(step, "logger_failed", m)),
                    alerts, health, start_step,
-                   state["state"].get("reward_versions") if state else None, mirror, critic, critic_opt)
+                   state["state"].get("reward_versions") if state else None, mirror, critic, critic_opt, hooks)
 
     def save(self, step: int) -> Path | None:
         """Write a checkpoint; a failed write (disk full...) raises an alert and returns None:
