@@ -49,10 +49,15 @@ class FlowConfig(Section):
     adv_clip: float = Field(5.0, gt=0.0, description="Advantages clipped to +-adv_clip (and NFT's C).")
     dppo_tau: float = Field(1e-5, gt=0.0, description="flow_dppo: KL threshold of the trust region.")
     nft_beta: float = Field(1.0, gt=0.0, description="DiffusionNFT beta (implicit positive/negative policies).")
-    ema_rate: float = Field(1e-3, ge=0.0, description="DiffusionNFT: old-policy EMA decay = min(rate * step, ema_max).")
-    ema_max: float = Field(0.5, ge=0.0, lt=1.0, description="DiffusionNFT: largest EMA decay of the old policy.")
+    ema_rate: float = Field(1e-3, ge=0.0, description="DiffusionNFT old policy / AWM anchor: EMA decay = min(rate * "
+                            "step, ema_max).")
+    ema_max: float = Field(0.5, ge=0.0, lt=1.0, description="DiffusionNFT old policy / AWM anchor: largest EMA decay.")
     weight_ema: float | None = Field(
         None, ge=0.0, lt=1.0, description="Decay of an EMA of the trained weights, updated after every step; "
         "held-out evaluation and export/ use it (Flow-GRPO keeps one for its evaluations). null = off."
+    )
+    awm_kl_coef: float = Field(
+        0.0, ge=0.0, description="AWM: weight of the velocity-space KL to an EMA of the policy (decay from ema_rate "
+        "/ ema_max); Flow-Factory recommends 0.1. 0 = off."
     )
     awm_weight: Literal["uniform", "t", "t**2"] = Field("uniform", description="AWM loss weight w(t).")

@@ -145,6 +145,23 @@ def test_awm_plain_form_values(weight, w):
     close(m["fm_loss"], (w[0] * 0.5 + w[1] * 2.5) / 2)
 
 
+
+def test_awm_ema_anchor_adds_the_velocity_kl():
+    # anchor = [[0, 0], [1, 1]]: (v - anchor)^2 = [0, 1], [0, 1] -> per-sample means .5, .5
+    anchor = torch.tensor([[0.0, 0.0], [1.0, 1.0]], dtype=F64)
+    v = V_AWM.clone().requires_grad_(True)
+    loss, m = awm_loss(v, X0, NOISE, T, ADV_AWM, v_anchor=anchor, anchor_coef=0.1)
+    close(loss, (0.5 - 2 * 2.5) / 2 + 0.1 * 0.5)
+    close(m["anchor_kl"], 0.5)
+    loss.backward()
+    # d/dv of A_i * mean((v - v*)^2) / B = A_i (v - v*) / B; of .1 * mean((v - a)^2) / B = .1 (v - a) / B
+    close(v.grad, torch.tensor([[1 * 1 / 2 + 0.0, 1 * 0 / 2 + 0.1 * 1 / 2],
+                                [-2 * -1 / 2 + 0.0, -2 * 2 / 2 + 0.1 * -1 / 2]], dtype=F64))
+    # a missing advantage drops the sample from both terms
+    loss, _ = awm_loss(V_AWM, X0, NOISE, T, torch.tensor([1.0, float("nan")], dtype=F64), v_anchor=anchor,
+                       anchor_coef=0.1)
+    close(loss, 0.5 + 0.1 * 0.5)
+
 def test_awm_plain_gradient_lowers_loss_of_positive_advantages():
     v = V_AWM.clone().requires_grad_()
     awm_loss(v, X0, NOISE, T, ADV_AWM)[0].backward()

@@ -298,6 +298,7 @@ def awm_loss(
     v_theta: torch.Tensor, x0: torch.Tensor, eps: torch.Tensor, t: torch.Tensor | float, adv: torch.Tensor,
     weight: str | torch.Tensor | None = None, old_loss: torch.Tensor | None = None, clip_range: float | None = None,
     valid: torch.Tensor | None = None, denoms: dict[str, float] | None = None,
+    v_anchor: torch.Tensor | None = None, anchor_coef: float = 0.0,
 ) -> tuple[torch.Tensor, Metrics]:
     """Advantage Weighted Matching (Xue et al. 2025, "Aligning RL with Pretraining in Diffusion
     Models"): the pretraining flow-matching loss on the policy's own samples, weighted by A.
@@ -315,7 +316,12 @@ def awm_loss(
     outside if wanted. old_loss (B,): l under the old policy with the same eps and t (detached);
     clip_range c None with old_loss gives the unclipped ratio (the public configs use c = 1,
     Flow-Factory recommends 1e-5). valid (B,) excludes samples (default: finite advantages).
-    Metrics: loss, fm_loss (mean l), and in PPO form clip_frac, ratio_mean.
+    v_anchor (B, ...), anchor_coef beta: adds beta * mean_i mean_elements (v_theta - v_anchor)^2,
+    a velocity-space KL to a slowly moving EMA of the policy (for two Gaussian steps with the same
+    std the KL is proportional to the squared mean difference). Unconstrained advantage weighting
+    diverges quickly; Flow-Factory's AWM guidance recommends this EMA-KL (beta 0.1) and/or the
+    PPO clip, and our shapes runs without it did not improve.
+    Metrics: loss, fm_loss (mean l), anchor_kl when anchored, and in PPO form clip_frac, ratio_mean.
     """
     v, x0, eps = _hi(v_theta), _hi(x0), _hi(eps)
     t = torch.as_tensor(t, dtype=v.dtype, device=v.device).reshape(-1).expand(v.shape[0])
@@ -341,6 +347,10 @@ def awm_loss(
         loss, m = ppo_clip_loss(-fm.unsqueeze(1), -old_loss.detach().to(fm.dtype).unsqueeze(1), a, valid.unsqueeze(1),
                                 c, c, "token-mean", denoms=d)
         metrics.update(clip_frac=m["clip_frac"], ratio_mean=m["ratio_mean"])
+    if v_anchor is not None and anchor_coef > 0:
+        drift = _per_sample_mean((v - _hi(v_anchor).detach()).pow(2))
+        loss = loss + anchor_coef * _sample_mean(drift, valid, denoms)
+        metrics["anchor_kl"] = masked_mean(drift.detach(), valid.to(fm.dtype))
     with torch.no_grad():
         metrics["fm_loss"] = masked_mean(fm, valid.to(fm.dtype))
         metrics["loss"] = loss.detach()
