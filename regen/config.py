@@ -161,6 +161,10 @@ class TrainConfig(Section):
         "up to the minibatch (same loss, bounded memory). null = the whole minibatch."
     )
     grad_clip: float = Field(1.0, ge=0.0, description="Max global gradient norm; 0 disables clipping.")
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="Forward passes under torch.autocast in bf16 or fp16 (fp16 with loss scaling); weights, "
+        "gradients, optimizer state and log-probs stay fp32 (regen/runtime/precision.py)."
+    )
     offload: bool = Field(
         False, description="GPU memory: park the optimizer state and idle frozen models (reference, critic, EMA "
         "copies) in CPU memory while sampling, and bring them back for the update (regen/runtime/offload.py)."

@@ -28,6 +28,7 @@ from regen.config import RLConfig
 from regen.policies.flow import FlowPolicy, FlowSample
 from regen.rewards import Sample
 from regen.runtime.metrics import nanmean
+from regen.runtime.precision import Precision
 from regen.samplers.flow import sde_steps, window_start
 
 PER_STEP = ("flow_grpo", "flow_dppo")  # trained on re-scored SDE transitions
@@ -123,9 +124,12 @@ def minibatch_loss(policy: FlowPolicy, sub: FlowSample, rows, adv, valid, mask, 
                     anchor_coef=f.awm_kl_coef)
 
 
-def update(policy: FlowPolicy, opt, batch: FlowSample, adv, valid, cfg: RLConfig, gen, fixed, ema) -> dict:
+def update(policy: FlowPolicy, opt, batch: FlowSample, adv, valid, cfg: RLConfig, gen, fixed, ema,
+           prec: Precision | None = None) -> dict:
     """ppo_epochs passes in minibatches, each one optimizer step accumulated over micro-batches
-    with the minibatch's own denominators (so micro-batching never changes the loss)."""
+    with the minibatch's own denominators (so micro-batching never changes the loss). prec:
+    train.precision (autocast of the forward passes, loss scaling)."""
+    prec = prec or Precision("fp32", policy.device)
     t, a = cfg.train, cfg.algorithm.name
     B = len(adv)
     mb, micro = t.global_minibatch_size, t.micro_batch_size or t.global_minibatch_size
@@ -141,17 +145,17 @@ def update(policy: FlowPolicy, opt, batch: FlowSample, adv, valid, cfg: RLConfig
             opt.zero_grad(set_to_none=True)
             step_m: dict[str, float] = {}
             for part in idx.split(micro):
-                loss, m = minibatch_loss(policy, batch.select(part), part, adv[part], valid[part], mask[part],
-                                         fixed, denoms, cfg, gen, ema)
-                loss.backward()
+                with prec.autocast():
+                    loss, m = minibatch_loss(policy, batch.select(part), part, adv[part], valid[part], mask[part],
+                                             fixed, denoms, cfg, gen, ema)
+                prec.backward(loss)
                 for k, v in m.items():
                     step_m[k] = step_m.get(k, 0.0) + float(v) * (1.0 if k in ("loss", "pg_loss") else len(part) / len(idx))
-            gn = torch.nn.utils.clip_grad_norm_(params, t.grad_clip if t.grad_clip > 0 else float("inf"))
-            if not torch.isfinite(gn):
+            gn, stepped = prec.step(opt, params, t.grad_clip)
+            if not stepped:
                 opt.zero_grad(set_to_none=True)
                 sums["nonfinite_skipped"] = sums.get("nonfinite_skipped", 0.0) + 1
                 continue
-            opt.step()
             step_m["grad_norm"] = float(gn)
             for k, v in step_m.items():
                 sums[k] = sums.get(k, 0.0) + v
@@ -181,8 +185,9 @@ def train_flow(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict
             run.hooks.enter("sample")  # train.offload: optimizer state and idle copies leave the GPU
             items = [run.prompts[i] for i in run.data.take(cfg.prompts_per_step)]
             sde = trained_steps(cfg, step, gen)
-            batch = policy.rollout([it.prompt for it in items], n, gen, f.steps, sde, f.noise_level, f.sampler,
-                                   f.shift, f.guidance, keep_states=bool(sde.any()))
+            with run.precision.autocast():
+                batch = policy.rollout([it.prompt for it in items], n, gen, f.steps, sde, f.noise_level, f.sampler,
+                                       f.shift, f.guidance, keep_states=bool(sde.any()))
             t1 = time.perf_counter()
             # 2. score: black-box rewards on the pixels; NaN = missing
             total, parts = run.reward(to_samples(policy, batch, items, n))
@@ -195,8 +200,9 @@ def train_flow(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict
             lr = lr_at(step, cfg.optim, cfg.train.steps) * run.health.lr_scale
             set_lr(opt, lr)
             run.hooks.enter("update")
-            fixed = fixed_terms(policy, batch, cfg, run.ref)
-            upd = update(policy, opt, batch, adv, valid, cfg, gen, fixed, run.ema) if valid.any() else {}
+            with run.precision.autocast():  # the same autocast as the update's: on-policy ratio 1
+                fixed = fixed_terms(policy, batch, cfg, run.ref)
+            upd = update(policy, opt, batch, adv, valid, cfg, gen, fixed, run.ema, run.precision) if valid.any() else {}
             run.follow(step)  # NFT's old policy and the weight EMA
             t3 = time.perf_counter()
             # 5. sync: single process, the sampler is the trained model: nothing to move

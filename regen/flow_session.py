@@ -34,6 +34,7 @@ from regen.runtime.health import HealthMonitor
 from regen.runtime.metrics import MetricsLogger, nanmean
 from regen.runtime.offload import PhaseHooks, loop_hooks
 from regen.runtime.optim import make_optimizer
+from regen.runtime.precision import Precision
 from regen.runtime.rundir import end_status, mark_closed, mark_running, prepare, setup_torch
 from regen.session import begin_rollback, end_rollback, resume_state, run_inputs, save_run_checkpoint
 
@@ -60,6 +61,7 @@ class FlowRun:
     ema: torch.nn.Module | None  # DiffusionNFT's slowly moving old policy (AWM's EMA anchor)
     weight_ema: torch.nn.Module | None  # flow.weight_ema: the weights evaluated and exported
     hooks: PhaseHooks  # run at each phase change (train.offload parks state)
+    precision: Precision  # train.precision: autocast and loss scaling
 
     @classmethod
     def start(cls, cfg: RLConfig, resume: bool = False, force: bool = False) -> FlowRun:
@@ -99,7 +101,8 @@ class FlowRun:
         log = MetricsLogger(run_dir, cfg.log, config=cfg, resume=state is not None,
                             warn=lambda step, m: alerts.fire(step, "logger_failed", m))
         return cls(cfg, run_dir, policy, opt, data, gen, reward, prompts, eval_items, log, alerts, health,
-                   start_step, ref, ema, weight_ema, loop_hooks(cfg.train.offload, device, [opt], [ref, ema, weight_ema]))
+                   start_step, ref, ema, weight_ema, loop_hooks(cfg.train.offload, device, [opt], [ref, ema, weight_ema]),
+                   Precision(cfg.train.precision, device))
 
     def save(self, step: int) -> Path | None:
         return save_run_checkpoint(self, step, self._save_extra, save_model=self._save_model)

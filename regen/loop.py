@@ -22,6 +22,7 @@ from regen.policies.lm import LMPolicy, LMRollout, concat_rollouts
 from regen.rewards import Sample
 from regen.runtime.metrics import nanmean
 from regen.runtime.optim import lr_at, set_lr
+from regen.runtime.precision import Precision
 from regen.runtime.progress import StepProgress
 from regen.runtime.signals import GracefulStop
 from regen.session import Session
@@ -67,14 +68,16 @@ def advantages(cfg: RLConfig, rewards, batch: LMRollout, old_logp, ref_logp, old
 
 def update(
     policy: LMPolicy, opt, batch: LMRollout, adv: torch.Tensor, mask: torch.Tensor, old_logp, ref_logp,
-    cfg: RLConfig, gen, critic=None, train_policy: bool = True,
+    cfg: RLConfig, gen, critic=None, train_policy: bool = True, prec: Precision | None = None,
 ) -> dict[str, float]:
     """ppo_epochs passes over the batch in minibatches, one optimizer step per minibatch;
     each minibatch's gradient is accumulated over micro-batches, so memory is bounded by the
     micro-batch while the loss is exactly the minibatch's (same denominators, see aggregate).
     critic: (Critic, its optimizer, old values, returns) for PPO; it steps on the same
-    minibatches. train_policy=False (critic warm-up) updates only the critic."""
+    minibatches. train_policy=False (critic warm-up) updates only the critic. prec: train.precision
+    (autocast of the policy's forward, loss scaling; the critic trains in fp32)."""
     a, t = cfg.algorithm, cfg.train
+    prec = prec or Precision("fp32", policy.device)
     temp, B = cfg.rollout.temperature, mask.shape[0]
     mb, share, single_pass = _minibatching(cfg)
     micro = t.micro_batch_size or mb
@@ -99,9 +102,10 @@ def update(
             finite = True
             for part in idx.split(micro):
                 sub = batch.select(part)
-                logp, entropy = policy.token_logprobs(sub, temp, with_entropy=True,
-                                                      group_size=share if micro % share == 0 else 1,
-                                                      entropy_grad=a.entropy_coef > 0)
+                with prec.autocast():
+                    logp, entropy = policy.token_logprobs(sub, temp, with_entropy=True,
+                                                          group_size=share if micro % share == 0 else 1,
+                                                          entropy_grad=a.entropy_coef > 0)
                 loss, m = loss_fn(
                     logp,
                     logp.detach() if old_logp is None else old_logp[part],
@@ -122,18 +126,21 @@ def update(
                 if not torch.isfinite(loss):
                     finite = False  # a non-finite loss would poison the weights: skip this step
                     break
-                loss.backward()
+                prec.backward(loss)
                 m["entropy"] = (entropy.detach() * sub.response_mask).sum() / sub.response_mask.sum().clamp(min=1)
                 share_of_rows = len(part) / len(idx)
                 for k, v in m.items():  # losses are already scaled to the minibatch: they add up
                     w = 1.0 if k in ("loss", "pg_loss", "kl") else share_of_rows
                     step_m[k] = step_m.get(k, 0.0) + w * float(v)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip if t.grad_clip > 0 else float("inf"))
-            if not finite or not torch.isfinite(grad_norm):
+            if not finite:
                 skipped += 1
                 opt.zero_grad(set_to_none=True)
                 continue
-            opt.step()
+            grad_norm, stepped = prec.step(opt, params, t.grad_clip)
+            if not stepped:
+                skipped += 1
+                opt.zero_grad(set_to_none=True)
+                continue
             step_m["grad_norm"] = float(grad_norm)
             for k, v in step_m.items():
                 sums[k] = sums.get(k, 0.0) + v
@@ -253,7 +260,8 @@ def train(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
             # 1. sample: a group of n completions for each prompt of this step
             run.hooks.enter("sample")
             items = [run.prompts[i] for i in data.take(cfg.prompts_per_step)]
-            batch = policy.sample([it.prompt for it in items], n, r.temperature, r.top_p, r.max_new_tokens, gen)
+            with run.precision.autocast():
+                batch = policy.sample([it.prompt for it in items], n, r.temperature, r.top_p, r.max_new_tokens, gen)
             run.hooks.enter("update")  # reference, critic and optimizer state back for what follows
             t1 = time.perf_counter()
 
@@ -264,7 +272,8 @@ def train(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
             if cfg.algorithm.dynamic_sampling:  # DAPO: replace groups without signal (waits for scores)
                 batch, scored, dyn = refill_groups(run, cfg, batch, scoring.result())
                 scoring = _done(scored)
-            old_logp, ref_logp = fixed_logprobs(policy, batch, cfg)
+            with run.precision.autocast():  # the same autocast as the update's: on-policy ratio 1
+                old_logp, ref_logp = fixed_logprobs(policy, batch, cfg)
             t_wait = time.perf_counter()
             rewards, parts = scoring.result()
             t2 = time.perf_counter()
@@ -295,7 +304,7 @@ def train(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
                 critic = (run.critic, run.critic_opt, old_values, returns)
             if scored:
                 upd = update(policy, opt, batch, adv, mask, old_logp, ref_logp, cfg, gen, critic,
-                             train_policy=step > cfg.critic.warmup_steps or run.critic is None)
+                             train_policy=step > cfg.critic.warmup_steps or run.critic is None, prec=run.precision)
                 if critic is not None:
                     upd["critic/explained_var"] = explained_variance(old_values, returns, mask)
             else:

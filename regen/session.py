@@ -22,6 +22,7 @@ from regen.runtime.loggers import require as require_loggers
 from regen.runtime.metrics import MetricsLogger
 from regen.runtime.offload import PhaseHooks, loop_hooks
 from regen.runtime.optim import make_optimizer
+from regen.runtime.precision import Precision
 from regen.runtime.rundir import end_status, mark_closed, mark_running, prepare, setup_torch, versions
 
 
@@ -45,6 +46,7 @@ class Session:
     critic: Critic | None = None  # PPO's value model (algorithm.name=ppo) and its optimizer
     critic_opt: torch.optim.Optimizer | None = None
     hooks: PhaseHooks = field(default_factory=PhaseHooks)  # run at each phase change (train.offload parks state)
+    precision: Precision | None = None  # train.precision: autocast and loss scaling
 
     @classmethod
     def start(cls, cfg: RLConfig, resume: bool = False, force: bool = False) -> Session:
@@ -82,7 +84,8 @@ class Session:
                    MetricsLogger(run_dir, cfg.log, config=cfg, resume=state is not None,
                                  warn=lambda step, m: alerts.fire(step, "logger_failed", m)),
                    alerts, health, start_step,
-                   state["state"].get("reward_versions") if state else None, mirror, critic, critic_opt, hooks)
+                   state["state"].get("reward_versions") if state else None, mirror, critic, critic_opt, hooks,
+                   Precision(cfg.train.precision, device))
 
     def save(self, step: int) -> Path | None:
         """Write a checkpoint; a failed write (disk full...) raises an alert and returns None:
