@@ -165,6 +165,11 @@ class TrainConfig(Section):
         "fp32", description="Forward passes under torch.autocast in bf16 or fp16 (fp16 with loss scaling); weights, "
         "gradients, optimizer state and log-probs stay fp32 (regen/runtime/precision.py)."
     )
+    gradient_checkpointing: bool = Field(
+        False, description="Flow models: recompute the velocity network's activations in the backward pass (less "
+        "memory, about a third more compute). Not for language models yet: their update shares each prompt's KV "
+        "cache across the group, which checkpointing turns off."
+    )
     offload: bool = Field(
         False, description="GPU memory: park the optimizer state and idle frozen models (reference, critic, EMA "
         "copies) in CPU memory while sampling, and bring them back for the update (regen/runtime/offload.py)."

@@ -87,6 +87,8 @@ class FlowRun:
         slow = cfg.algorithm.name == "nft" or (cfg.algorithm.name == "awm" and f.awm_kl_coef > 0)
         ema = frozen_copy(policy.unet, folder, NFT_OLD, alerts) if slow else None
         weight_ema = frozen_copy(policy.unet, folder, WEIGHT_EMA, alerts) if f.weight_ema is not None else None
+        if cfg.train.gradient_checkpointing:
+            policy.unet.enable_gradient_checkpointing()  # diffusers: recompute in backward
         opt = make_optimizer(policy.unet, cfg.optim)
         data = EpochSampler(len(prompts), cfg.run.seed)
         gen = torch.Generator().manual_seed(cfg.run.seed)

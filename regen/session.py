@@ -52,6 +52,9 @@ class Session:
     def start(cls, cfg: RLConfig, resume: bool = False, force: bool = False) -> Session:
         # Check everything the user gave before touching the run directory.
         device = resolve_device(cfg.run.device)
+        if cfg.train.gradient_checkpointing:
+            raise UserError("train.gradient_checkpointing: flow models only for now; a language model's update "
+                            "shares each prompt's KV cache across its group, which checkpointing turns off")
         reward, prompts, eval_items = run_inputs(cfg)
         run_dir, resume = prepare(cfg.run.dir, cfg.run.overwrite, resume)
         setup_torch(cfg.run.threads, cfg.run.seed)

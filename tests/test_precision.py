@@ -1,5 +1,6 @@
 """train.precision: forward passes in bf16/fp16 under autocast, weights and log-probs in fp32,
-on-policy ratio still exactly 1, fp16 loss scaling skips overflowing steps."""
+on-policy ratio still exactly 1, fp16 loss scaling skips overflowing steps; and
+train.gradient_checkpointing, which must not change a number."""
 
 import pytest
 import torch
@@ -68,3 +69,20 @@ def test_flow_run_in_bf16_is_exactly_on_policy_at_the_first_update(flow_base, tm
     weights = load_file(str(run / "export" / "unet" / "diffusion_pytorch_model.safetensors"))
     assert all(v.dtype == torch.float32 for v in weights.values())
     assert flow_rl(tmp_path / "fp16", flow_base, "nft", "train.steps=2", "train.precision=fp16") == 0
+
+
+def test_gradient_checkpointing_changes_no_number(flow_base, tmp_path, capsys):
+    common = ["train.steps=2", "flow.sde_window=2", "optim.lr=1e-3"]
+    assert flow_rl(tmp_path / "a", flow_base, "flow_grpo", *common) == 0
+    assert flow_rl(tmp_path / "b", flow_base, "flow_grpo", *common, "train.gradient_checkpointing=true") == 0
+    a, b = (read_jsonl(tmp_path / r / "metrics.jsonl") for r in "ab")
+    for x, y in zip(a, b):
+        if "loss" in x:
+            assert y["loss"] == pytest.approx(x["loss"], abs=1e-7) and y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5)
+    wa, wb = (load_file(str(tmp_path / r / "export" / "unet" / "diffusion_pytorch_model.safetensors")) for r in "ab")
+    assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
+
+
+def test_gradient_checkpointing_is_refused_for_language_models(base_model, tmp_path, capsys):
+    assert main(["train", f"model.path={base_model}", f"run.dir={tmp_path}", "train.gradient_checkpointing=true"]) == 2
+    assert "flow models only" in capsys.readouterr().err
