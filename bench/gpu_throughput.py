@@ -1,0 +1,560 @@
+"""GPU throughput: GRPO tokens/s on a 0.5B-class causal LM and flow-RL images/s on a 0.6B MMDiT, with peak memory.
+
+Three parts, each regen's own training loop (`regen.loop.train`, the function `python -m regen train`
+calls) run in this process on a config built from dotted overrides as on the command line, so that
+the peak memory the loop reached can be read afterwards (regen logs no memory metric):
+
+- `lm`: GRPO (regen's defaults: token-mean loss, clip 0.2, no KL, one optimizer step per batch) on a
+  randomly initialised Qwen2 of Qwen2.5-0.5B's shape (Qwen/Qwen2.5-0.5B config.json: vocab 151936,
+  width 896, MLP 4864, 24 layers, 14 heads, 2 KV heads, tied embeddings; 494M parameters), saved
+  with `save_pretrained` into a temporary folder together with a character-level tokenizer built
+  here (the arithmetic task's characters, padded with filler tokens up to the model's vocabulary so
+  that every sampled id decodes). Prompts `builtin:arithmetic:train`, reward `exact_match` (about 0
+  for a random model: the loop still samples, scores and takes full optimizer steps; the speed is
+  what is measured). Default: 64 completions per step (8 prompts x group 8), 128 new tokens
+  (a random model over 151936 ids almost never samples EOS, so nearly every completion is 128
+  tokens long). tokens/s = generated tokens (`response_length/mean` x batch, EOS included) / sum of
+  `time/step_s`; "sample only" divides the same tokens by `time/sample_s` (generation alone).
+- `nft`, `flow_grpo`: DiffusionNFT and Flow-GRPO on a randomly initialised SD3-style flow model
+  (regen's `SD3FlowPolicy`: diffusers `SD3Transformer2DModel`, 16 joint blocks x width 1024, 16 heads
+  of 64, 2x2 patches; 596M trained parameters, against SD3-medium's 24 x 1536, 2B) over 16-channel
+  32x32 latents of a small random `AutoencoderKL` (scale 8: 256x256 images), conditioned by two
+  small CLIP text encoders (77 tokens) and 77 zero "T5" tokens (no T5 model), written as a complete
+  regen SD3 folder. 32 images per step (4 prompts x group 8, prompts from a JSONL file written
+  here), 10 sampling steps (Flow-GRPO: SDE on every step, re-scored in the update with
+  train.micro_batch_size=8 since its graph spans all 10 steps), reward `jpeg_compressibility`,
+  no guidance. images/s = images / sum of `time/step_s`; "sample only" counts `time/sample_s` (the 10
+  sampling steps and the VAE decode).
+
+Parameters in --dtype (model.dtype; default bfloat16 on CUDA, float32 on CPU): bfloat16 means pure bf16
+weights and AdamW state, no fp32 master copy. Mixed precision instead: `--dtype float32 --set
+train.precision=bf16` (autocast), where regen has that setting. `--tiny` swaps in a 2-layer width-64
+Qwen2 (vocab 512), a one-block width-16 SD3 at 16x16 pixels, 3 steps, 16 completions x 16 tokens and
+8 images per step, one CPU thread: a smoke test of the whole path, not a figure.
+
+Every figure leaves out the first --warmup steps (default 2: CUDA kernels and allocator warm-up)
+and covers only the loop's steps: model building, loading, the final checkpoint and export are
+not counted (the whole call is shown too). Peak memory: `torch.cuda.max_memory_allocated()` over
+the part (reset before each); on CPU the process's peak RSS so far (it never goes down, so only
+the first part's is its own). Per step the loop prints a line with an ETA; after each part the
+benchmark prints its row and rewrites --out, so a run cut short still leaves figures. Each part
+stops after its current step once --part-limit seconds (default 150) have passed since it began.
+
+Run from the repository root with the project's virtualenv:
+
+    python bench/gpu_throughput.py --out /tmp/gpu_throughput.json         # GPU: 3 parts, about 3-5 min (estimate)
+    python bench/gpu_throughput.py --only lm --steps 20 --lm-batch 128    # one part, other sizes
+    python bench/gpu_throughput.py --tiny --out /tmp/gt.json              # CPU smoke test, ~10 s on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import resource
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+# Qwen/Qwen2.5-0.5B config.json (rope_theta 1e6 as there); the model is built from it with random weights
+QWEN25_05B = dict(
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=32768,
+    rope_theta=1e6,
+    tie_word_embeddings=True,
+)
+TINY_LM = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+)
+# SD3-style flow model: pixels, VAE block channels (scale 2**(n-1)) and norm groups, latent channels, joint blocks,
+# heads, head dim, CLIP (width, projection) x 2, CLIP length (= the zero "T5" length), joint_attention_dim
+SD3_MEDIUM = dict(
+    size=256,
+    vae=(32, 64, 128, 128),
+    groups=8,
+    latent=16,
+    layers=16,
+    heads=16,
+    head_dim=64,
+    clips=((64, 64), (128, 128)),
+    text_len=77,
+    joint=512,
+)
+TINY_SD3 = dict(
+    size=16, vae=(8, 16), groups=4, latent=4, layers=1, heads=2, head_dim=8, clips=((8, 4), (16, 12)), text_len=8, joint=32
+)
+PARTS = ("lm", "nft", "flow_grpo")
+COLOURS, SHAPES, POSITIONS = (
+    ("red", "green", "blue", "yellow", "white"),
+    ("circle", "square", "triangle"),
+    ("left", "right", "top", "bottom", "centre"),
+)
+
+
+# ------------------------------------------------------------------ models, built locally
+
+
+def char_tokenizer(vocab_size: int):
+    """regen's arithmetic tokenizer (one token per character, <pad> <eos> <unk>), its vocabulary padded with
+    filler tokens <tN> up to the model's vocab_size so that any id a random model samples decodes."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from regen.tasks.arithmetic import CHARS, SPECIALS
+
+    words = SPECIALS + CHARS
+    words += [f"<t{i}>" for i in range(len(words), vocab_size)]
+    tk = Tokenizer(models.WordLevel({t: i for i, t in enumerate(words)}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def build_lm(folder: Path, shape: dict, dtype: str, seed: int) -> int:
+    """A random-init Qwen2ForCausalLM of `shape` and its tokenizer, saved to folder; returns its parameter count."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tok = char_tokenizer(shape["vocab_size"])
+    config = Qwen2Config(**shape, bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).to(getattr(torch, dtype))
+    n = sum(p.numel() for p in model.parameters())  # tied embeddings counted once
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return n
+
+
+def build_sd3(folder: Path, s: dict, seed: int) -> int:
+    """A complete regen SD3 folder (as regen.policies.flow_sd3.tiny_sd3 writes one) with the sizes of `s`;
+    returns the transformer's (the trained part's) parameter count."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    from regen.policies.flow_latent import tiny_clip_tokenizer
+    from regen.policies.flow_sd3 import SD3FlowPolicy, SD3TextEncoder
+
+    torch.manual_seed(seed)
+    tok, tok2 = tiny_clip_tokenizer(s["text_len"]), tiny_clip_tokenizer(s["text_len"])
+
+    def clip(hidden: int, proj: int):
+        return CLIPTextModelWithProjection(
+            CLIPTextConfig(
+                vocab_size=len(tok),
+                hidden_size=hidden,
+                intermediate_size=2 * hidden,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                max_position_embeddings=s["text_len"],
+                projection_dim=proj,
+                bos_token_id=0,
+                eos_token_id=1,
+                pad_token_id=1,
+            )
+        ).eval()
+
+    (w1, p1), (w2, p2) = s["clips"]
+    scale = 2 ** (len(s["vae"]) - 1)
+    latent = s["size"] // scale
+    width = s["heads"] * s["head_dim"]
+    transformer = SD3Transformer2DModel(
+        sample_size=latent,
+        patch_size=2,
+        in_channels=s["latent"],
+        out_channels=s["latent"],
+        num_layers=s["layers"],
+        attention_head_dim=s["head_dim"],
+        num_attention_heads=s["heads"],
+        joint_attention_dim=s["joint"],
+        caption_projection_dim=width,
+        pooled_projection_dim=p1 + p2,
+        pos_embed_max_size=latent,
+    )
+    n = len(s["vae"])
+    vae = AutoencoderKL(  # SD3's scaling and shift factors
+        block_out_channels=s["vae"],
+        down_block_types=("DownEncoderBlock2D",) * n,
+        up_block_types=("UpDecoderBlock2D",) * n,
+        latent_channels=s["latent"],
+        norm_num_groups=s["groups"],
+        sample_size=s["size"],
+        scaling_factor=1.5305,
+        shift_factor=0.0609,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
+    text = SD3TextEncoder(
+        clip(w1, p1), clip(w2, p2), tok, tok2, None, None, max_sequence_length=s["text_len"], joint_attention_dim=s["joint"]
+    )
+    meta = {"height": s["size"], "width": s["size"], "max_sequence_length": s["text_len"]}
+    policy = SD3FlowPolicy(transformer, text, vae, FlowMatchEulerDiscreteScheduler(shift=3.0), meta, torch.device("cpu"))
+    policy.save_pretrained(folder)
+    return sum(p.numel() for p in transformer.parameters())
+
+
+def write_prompts(path: Path) -> Path:
+    """75 prompts in the words the tiny CLIP tokenizer makes whole tokens of, one JSON object per line."""
+    rows = [{"prompt": f"a {c} {s} at the {p}"} for c in COLOURS for s in SHAPES for p in POSITIONS]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+# ------------------------------------------------------------------ running and measuring
+
+
+def environment(device: str) -> dict:
+    import diffusers
+    import transformers
+
+    git = ["git", "describe", "--always", "--dirty"]
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "diffusers": diffusers.__version__,
+        "device": device,
+        "git": subprocess.run(git, check=False, cwd=ROOT, capture_output=True, text=True).stdout.strip(),
+        "cpus": os.cpu_count(),
+    }
+    if device == "cuda":
+        p = torch.cuda.get_device_properties(0)
+        env.update(
+            gpu=p.name,
+            gpu_memory_gib=round(p.total_memory / 2**30, 1),
+            capability=f"{p.major}.{p.minor}",
+            cudnn=torch.backends.cudnn.version(),
+        )
+    return env
+
+
+def peak_gib(device: str) -> float:
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
+
+
+def run_part(name: str, overrides: list[str], run_dir: Path, device: str, limit_s: float) -> tuple[dict, list[dict]]:
+    """regen.loop.train on the overrides; (call facts, metrics.jsonl rows). Past limit_s a SIGINT asks the loop
+    to finish its step and stop (regen's graceful stop)."""
+    from regen.config import RLConfig, load_config
+    from regen.loop import train
+
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    timer = threading.Timer(limit_s, lambda: os.kill(os.getpid(), signal.SIGINT)) if limit_s > 0 else None
+    facts: dict = {"error": None, "stopped_early": False}
+    t0 = time.perf_counter()
+    if timer is not None:
+        timer.start()
+    try:
+        summary = train(load_config(RLConfig, None, overrides))
+        facts["stopped_early"] = bool(summary.get("stopped_early"))
+    except KeyboardInterrupt:  # the time limit struck outside the step loop (loading, final save)
+        facts["error"], facts["stopped_early"] = f"time limit of {limit_s:.0f} s reached outside the step loop", True
+    except Exception as e:  # one part failing (a bad override, out of memory) must not cost the others
+        traceback.print_exc()
+        facts["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    finally:
+        if timer is not None:
+            timer.cancel()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    facts["call_s"] = time.perf_counter() - t0
+    facts["peak_gib"] = peak_gib(device)
+    if device == "cuda":
+        facts["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+    metrics = run_dir / "metrics.jsonl"
+    rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.is_file() else []
+    return facts, [r for r in rows if "time/step_s" in r]
+
+
+def figures(rows: list[dict], warmup: int, per_step) -> dict:
+    """Throughput over the steps after `warmup` (all steps when there are no more): units / sum of time/step_s,
+    units / sum of time/sample_s, median step ms, sampling's share of the step time."""
+    kept = [r for r in rows if r["step"] > warmup] or rows
+    if not kept:
+        return {"measured_steps": 0}
+    units = sum(per_step(r) for r in kept)
+    step_s = sum(r["time/step_s"] for r in kept)
+    sample_s = sum(r["time/sample_s"] for r in kept)
+    return {
+        "measured_steps": len(kept),
+        "first_measured_step": kept[0]["step"],
+        "units": units,
+        "per_s": units / step_s,
+        "sample_per_s": units / sample_s,
+        "sample_share": sample_s / step_s,
+        "median_step_ms": 1000 * statistics.median(r["time/step_s"] for r in kept),
+        "step_ms": [round(1000 * r["time/step_s"], 1) for r in rows],
+    }
+
+
+def fmt_params(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}K"
+
+
+HEADER = (
+    f"{'part':<10} {'model':<24} {'params':>8} {'batch':>10} {'steps':>6} {'throughput':>16} "
+    f"{'sample only':>16} {'sample %':>8} {'med step ms':>11} {'peak GiB':>8} {'call s':>7}"
+)
+
+
+def row_line(r: dict) -> str:
+    f = r["figures"]
+    if not f.get("measured_steps"):
+        return f"{r['part']:<10} {r['model']:<24} {fmt_params(r['params']):>8} {r['batch']:>10} no steps: {r['error']}"
+    unit = r["unit"]
+    return (
+        f"{r['part']:<10} {r['model']:<24} {fmt_params(r['params']):>8} {r['batch']:>10} {f['measured_steps']:>6} "
+        f"{f['per_s']:>10.1f} {unit:<5} {f['sample_per_s']:>10.1f} {unit:<5} {100 * f['sample_share']:>7.0f}% "
+        f"{f['median_step_ms']:>11.1f} {r['peak_gib']:>8.2f} {r['call_s']:>7.1f}"
+    )
+
+
+def main() -> None:
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tiny", action="store_true", help="tiny models and batches, 3 steps: a CPU smoke test")
+    p.add_argument("--steps", type=int, help="train.steps of every part (default 10; 3 with --tiny)")
+    p.add_argument("--warmup", type=int, default=2, help="first steps left out of the figures (default 2)")
+    p.add_argument(
+        "--device", choices=["cuda", "cpu"], default="cuda" if cuda else "cpu", help="run.device (default: cuda when available)"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float16", "float32"],
+        help="model.dtype, the parameter dtype of both models (default bfloat16 on CUDA, float32 on CPU)",
+    )
+    p.add_argument("--only", help="comma-separated subset of: " + ",".join(PARTS) + " ('flow' = nft,flow_grpo)")
+    p.add_argument("--lm-batch", type=int, help="completions per LM step, 8 per prompt (default 64; 16 with --tiny)")
+    p.add_argument("--max-new-tokens", type=int, help="rollout.max_new_tokens of the LM (default 128; 16 with --tiny)")
+    p.add_argument("--flow-batch", type=int, help="images per flow step, 8 per prompt (default 32; 8 with --tiny)")
+    p.add_argument("--flow-micro", type=int, default=8, help="flow_grpo's train.micro_batch_size (default 8)")
+    p.add_argument(
+        "--part-limit",
+        type=float,
+        default=150.0,
+        help="seconds after which a part stops at the end of its current step (default 150; 0 = none)",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra regen override for every part (repeatable), e.g. train.precision=bf16 where it exists",
+    )
+    p.add_argument(
+        "--threads", type=int, help="run.threads, torch's CPU threads (default: 1 with --tiny, else 0 = torch's own choice)"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="write settings, environment and figures as JSON here (rewritten after each part)")
+    p.add_argument("--keep", action="store_true", help="keep the work folder (models, run folders) afterwards")
+    a = p.parse_args()
+    asked = [y for x in (a.only or ",".join(PARTS)).split(",") for y in (("nft", "flow_grpo") if x == "flow" else (x,))]
+    parts = [x for x in PARTS if x in asked]
+    if unknown := set(asked) - set(PARTS):
+        p.error(f"unknown part(s) {sorted(unknown)}; choose from {list(PARTS)} or 'flow'")
+    if a.device == "cuda" and not cuda:
+        p.error("--device cuda but torch sees no CUDA device")
+    dtype = a.dtype or ("bfloat16" if a.device == "cuda" else "float32")
+    steps = a.steps or (3 if a.tiny else 10)
+    lm_batch, new_tokens = a.lm_batch or (16 if a.tiny else 64), a.max_new_tokens or (16 if a.tiny else 128)
+    flow_batch = a.flow_batch or (8 if a.tiny else 32)
+    # one thread for the smoke test: on a small machine shared with other work, two threads fighting for the
+    # cores made its tiny steps 40x slower
+    threads = a.threads if a.threads is not None else (1 if a.tiny else 0)
+    for what, b in (("--lm-batch", lm_batch), ("--flow-batch", flow_batch)):
+        if b % 8:
+            p.error(f"{what} {b}: must be a multiple of the group size 8")
+    lm_shape, sd3 = (TINY_LM, TINY_SD3) if a.tiny else (QWEN25_05B, SD3_MEDIUM)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    diffusers_logging.disable_progress_bar()
+    diffusers_logging.set_verbosity_error()  # "text_encoder_3=None ... cannot be saved" at every save: no T5 here
+
+    env = environment(a.device)
+    settings = {
+        "tiny": a.tiny,
+        "steps": steps,
+        "warmup": a.warmup,
+        "dtype": dtype,
+        "parts": parts,
+        "lm_batch": lm_batch,
+        "max_new_tokens": new_tokens,
+        "flow_batch": flow_batch,
+        "flow_micro": a.flow_micro,
+        "seed": a.seed,
+        "threads": threads,
+        "part_limit_s": a.part_limit,
+        "extra_overrides": a.set,
+        "lm_shape": lm_shape,
+        "flow_shape": sd3,
+    }
+    print(" ".join(f"{k}={v}" for k, v in env.items()), flush=True)
+    print(
+        f"settings: steps={steps} (first {a.warmup} left out) dtype={dtype} parts={','.join(parts)} "
+        f"part limit {a.part_limit:.0f} s",
+        flush=True,
+    )
+    work = Path(tempfile.mkdtemp(prefix="regen-gpu-throughput-"))
+    print(f"work folder: {work}{' (kept)' if a.keep else ' (removed at the end; --keep keeps it)'}", flush=True)
+    common = [
+        f"run.device={a.device}",
+        f"model.dtype={dtype}",
+        f"run.seed={a.seed}",
+        f"run.threads={threads}",
+        f"train.steps={steps}",
+        "data.eval=null",
+        "run.overwrite=true",
+        "checkpoint.every=0",
+        "log.progress=lines",
+        "log.every=1",
+        "log.tensorboard=false",
+        "rollout.group_size=8",
+    ]
+    results: list[dict] = []
+
+    def save() -> None:
+        if a.out:
+            Path(a.out).write_text(json.dumps({"settings": settings, "environment": env, "parts": results}, indent=1))
+
+    try:
+        if "lm" in parts:
+            t0 = time.perf_counter()
+            n = build_lm(work / "lm", lm_shape, dtype, a.seed)
+            label = "Qwen2 random (tiny)" if a.tiny else "Qwen2.5-0.5B shape, rand"
+            print(
+                f"\n== lm: GRPO, {label}, {fmt_params(n)} params (built and saved in {time.perf_counter() - t0:.1f} s); "
+                f"{steps} steps x {lm_batch} completions x {new_tokens} new tokens; stops by {a.part_limit:.0f} s",
+                flush=True,
+            )
+            overrides = [
+                *common,
+                f"model.path={work / 'lm'}",
+                f"run.dir={work / 'run-lm'}",
+                "algorithm.name=grpo",
+                "data.train=builtin:arithmetic:train",
+                f"rollout.global_batch_size={lm_batch}",
+                f"rollout.max_new_tokens={new_tokens}",
+                "reward=[{name: exact_match}]",
+                *a.set,
+            ]
+            facts, rows = run_part("lm", overrides, work / "run-lm", a.device, a.part_limit)
+            fig = figures(rows, a.warmup, lambda r: r["response_length/mean"] * lm_batch)
+            results.append(
+                {
+                    "part": "lm",
+                    "model": label,
+                    "params": n,
+                    "batch": f"{lm_batch}x{new_tokens}",
+                    "unit": "tok/s",
+                    "overrides": overrides,
+                    **facts,
+                    "figures": fig,
+                }
+            )
+            print(HEADER + "\n" + row_line(results[-1]), flush=True)
+            save()
+        flow_parts = [x for x in parts if x != "lm"]
+        if flow_parts:
+            t0 = time.perf_counter()
+            n = build_sd3(work / "sd3", sd3, a.seed)
+            build_s = time.perf_counter() - t0
+            prompts = write_prompts(work / "prompts.jsonl")
+            px = sd3["size"]
+            label = f"SD3-style {sd3['layers']}x{sd3['heads'] * sd3['head_dim']} {px}px"
+        for algo in flow_parts:
+            print(
+                f"\n== {algo}: {label}, {fmt_params(n)} transformer params (built and saved in {build_s:.1f} s); "
+                f"{steps} steps x {flow_batch} images x 10 sampling steps; stops by {a.part_limit:.0f} s",
+                flush=True,
+            )
+            run_dir = work / f"run-{algo}"
+            overrides = [
+                *common,
+                f"model.path={work / 'sd3'}",
+                f"run.dir={run_dir}",
+                f"algorithm.name={algo}",
+                f"data.train={prompts}",
+                f"rollout.global_batch_size={flow_batch}",
+                "flow.steps=10",
+                "reward=[{name: jpeg_compressibility}]",
+            ]
+            if algo == "flow_grpo" and a.flow_micro < flow_batch:
+                overrides.append(f"train.micro_batch_size={a.flow_micro}")
+            overrides += a.set
+            facts, rows = run_part(algo, overrides, run_dir, a.device, a.part_limit)
+            fig = figures(rows, a.warmup, lambda r: flow_batch)
+            results.append(
+                {
+                    "part": algo,
+                    "model": label,
+                    "params": n,
+                    "batch": str(flow_batch),
+                    "unit": "img/s",
+                    "overrides": overrides,
+                    **facts,
+                    "figures": fig,
+                }
+            )
+            print(HEADER + "\n" + row_line(results[-1]), flush=True)
+            save()
+    finally:
+        if not a.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+    print(
+        f"\n{env.get('gpu', platform.processor() or 'cpu')}, torch {env['torch']} (CUDA {env['cuda']}), dtype {dtype}, "
+        f"git {env['git']}"
+    )
+    print(
+        "throughput: per second of the loop's steps after the first",
+        a.warmup,
+        "(sample only: sampling phase alone);",
+        "peak: " + ("torch.cuda.max_memory_allocated per part" if a.device == "cuda" else "process peak RSS so far"),
+    )
+    print(HEADER)
+    for r in results:
+        print(row_line(r))
+        if r["error"] or r["stopped_early"]:
+            notes = ["stopped at --part-limit"] * r["stopped_early"] + [r["error"]] * bool(r["error"])
+            print(f"    {r['part']}: {'; '.join(notes)}")
+    if a.out:
+        print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
