@@ -142,7 +142,7 @@ class FlowRun:
             self.opt.load_state_dict(ckpt.load_checkpoint(folder)["optimizer"])
         for name, net in ((NFT_OLD, self.ema), (WEIGHT_EMA, self.weight_ema)):
             if net is not None:
-                net.load_state_dict(frozen_copy(self.policy.unet, folder, name, self.alerts).state_dict())
+                reload_copy(net, self.policy.unet, folder, name, self.alerts)
         end_rollback(self, step, folder)
 
     def export(self, folder: Path) -> None:
@@ -159,7 +159,8 @@ class FlowRun:
         e, f = self.cfg.eval, self.cfg.flow
         items = self.eval_items[: e.num_prompts]
         gen = torch.Generator().manual_seed(self.cfg.run.seed + EVAL_SEED_OFFSET)
-        with swapped(self.policy, self.weight_ema or self.policy.unet):  # Flow-GRPO evaluates its EMA
+        net = self.policy.unet if self.weight_ema is None else self.weight_ema  # Flow-GRPO evaluates its EMA
+        with swapped(self.policy, net):
             out = self.policy.sample_ode([it.prompt for it in items], e.samples_per_prompt, gen, f.eval_steps, f.shift,
                                          f.guidance)
         samples = to_samples(self.policy, out, items, e.samples_per_prompt)
@@ -201,12 +202,19 @@ def frozen_copy(net: torch.nn.Module, folder: Path | None, name: str, alerts: Al
     as `name` in checkpoint `folder` when given; a checkpoint without them starts a new copy."""
     out = copy.deepcopy(net).eval().requires_grad_(False)
     if folder is not None:
-        file = folder / name
-        if file.is_file():
-            load_state(out, load_file(str(file)), str(file))
-        else:
-            alerts.fire(-1, "checkpoint_incomplete", f"{folder.name} holds no {name}: it starts from the current weights")
+        reload_copy(out, net, folder, name, alerts)
     return out
+
+
+def reload_copy(out: torch.nn.Module, net: torch.nn.Module, folder: Path | None, name: str, alerts: Alerts) -> None:
+    """Set the copy `out` from checkpoint `folder`'s `name`, or, without it, to `net`'s weights."""
+    file = None if folder is None else folder / name
+    if file is not None and file.is_file():
+        load_state(out, load_file(str(file)), str(file))
+        return
+    if folder is not None:
+        alerts.fire(-1, "checkpoint_incomplete", f"{folder.name} holds no {name}: it starts from the current weights")
+    out.load_state_dict(net.state_dict())
 
 
 def trained_pairs(copy_net: torch.nn.Module, net: torch.nn.Module) -> tuple[list, list]:
