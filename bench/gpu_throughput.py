@@ -71,6 +71,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from regen.policies.flow_sd3 import TINY as TINY_SD3  # noqa: E402
+from regen.policies.flow_sd3 import random_sd3  # noqa: E402
+
 # Qwen/Qwen2.5-0.5B config.json (rope_theta 1e6 as there); the model is built from it with random weights
 QWEN25_05B = dict(
     vocab_size=151936,
@@ -93,8 +96,7 @@ TINY_LM = dict(
     max_position_embeddings=512,
     tie_word_embeddings=True,
 )
-# SD3-style flow model: pixels, VAE block channels (scale 2**(n-1)) and norm groups, latent channels, joint blocks,
-# heads, head dim, CLIP (width, projection) x 2, CLIP length (= the zero "T5" length), joint_attention_dim
+# SD3-style flow model, in the keys of regen.policies.flow_sd3.TINY (no T5: its tokens are zeros)
 SD3_MEDIUM = dict(
     size=256,
     vae=(32, 64, 128, 128),
@@ -106,9 +108,6 @@ SD3_MEDIUM = dict(
     clips=((64, 64), (128, 128)),
     text_len=77,
     joint=512,
-)
-TINY_SD3 = dict(
-    size=16, vae=(8, 16), groups=4, latent=4, layers=1, heads=2, head_dim=8, clips=((8, 4), (16, 12)), text_len=8, joint=32
 )
 PARTS = ("lm", "nft", "flow_grpo")
 COLOURS, SHAPES, POSITIONS = (
@@ -149,73 +148,6 @@ def build_lm(folder: Path, shape: dict, dtype: str, seed: int) -> int:
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return n
-
-
-def build_sd3(folder: Path, s: dict, seed: int) -> int:
-    """A complete regen SD3 folder (as regen.policies.flow_sd3.tiny_sd3 writes one) with the sizes of `s`;
-    returns the transformer's (the trained part's) parameter count."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
-
-    from regen.policies.flow_latent import tiny_clip_tokenizer
-    from regen.policies.flow_sd3 import SD3FlowPolicy, SD3TextEncoder
-
-    torch.manual_seed(seed)
-    tok, tok2 = tiny_clip_tokenizer(s["text_len"]), tiny_clip_tokenizer(s["text_len"])
-
-    def clip(hidden: int, proj: int):
-        return CLIPTextModelWithProjection(
-            CLIPTextConfig(
-                vocab_size=len(tok),
-                hidden_size=hidden,
-                intermediate_size=2 * hidden,
-                num_hidden_layers=2,
-                num_attention_heads=2,
-                max_position_embeddings=s["text_len"],
-                projection_dim=proj,
-                bos_token_id=0,
-                eos_token_id=1,
-                pad_token_id=1,
-            )
-        ).eval()
-
-    (w1, p1), (w2, p2) = s["clips"]
-    scale = 2 ** (len(s["vae"]) - 1)
-    latent = s["size"] // scale
-    width = s["heads"] * s["head_dim"]
-    transformer = SD3Transformer2DModel(
-        sample_size=latent,
-        patch_size=2,
-        in_channels=s["latent"],
-        out_channels=s["latent"],
-        num_layers=s["layers"],
-        attention_head_dim=s["head_dim"],
-        num_attention_heads=s["heads"],
-        joint_attention_dim=s["joint"],
-        caption_projection_dim=width,
-        pooled_projection_dim=p1 + p2,
-        pos_embed_max_size=latent,
-    )
-    n = len(s["vae"])
-    vae = AutoencoderKL(  # SD3's scaling and shift factors
-        block_out_channels=s["vae"],
-        down_block_types=("DownEncoderBlock2D",) * n,
-        up_block_types=("UpDecoderBlock2D",) * n,
-        latent_channels=s["latent"],
-        norm_num_groups=s["groups"],
-        sample_size=s["size"],
-        scaling_factor=1.5305,
-        shift_factor=0.0609,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-    )
-    text = SD3TextEncoder(
-        clip(w1, p1), clip(w2, p2), tok, tok2, None, None, max_sequence_length=s["text_len"], joint_attention_dim=s["joint"]
-    )
-    meta = {"height": s["size"], "width": s["size"], "max_sequence_length": s["text_len"]}
-    policy = SD3FlowPolicy(transformer, text, vae, FlowMatchEulerDiscreteScheduler(shift=3.0), meta, torch.device("cpu"))
-    policy.save_pretrained(folder)
-    return sum(p.numel() for p in transformer.parameters())
 
 
 def write_prompts(path: Path) -> Path:
@@ -491,7 +423,7 @@ def main() -> None:
         flow_parts = [x for x in parts if x != "lm"]
         if flow_parts:
             t0 = time.perf_counter()
-            n = build_sd3(work / "sd3", sd3, a.seed)
+            n = random_sd3(work / "sd3", a.seed, False, **sd3)
             build_s = time.perf_counter() - t0
             prompts = write_prompts(work / "prompts.jsonl")
             px = sd3["size"]

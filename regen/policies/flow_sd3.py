@@ -163,76 +163,60 @@ class SD3FlowPolicy(LatentFlowPolicy):
         return (z - (c.shift_factor or 0.0)) * c.scaling_factor
 
 
+# The tiny shape: 16x16 pixels -> 4x8x8 latents, one MMDiT block, 8-token CLIPs of different
+# widths so the padding to the joint width matters. Keys: pixels, VAE block channels (scale
+# 2**(n-1)) and norm groups, latent channels, joint blocks, heads, head dim, CLIP (width,
+# projection) x 2, text length, joint_attention_dim (= T5's width).
+TINY = dict(size=16, vae=(8, 16), groups=4, latent=4, layers=1, heads=2, head_dim=8, clips=((8, 4), (16, 12)),
+            text_len=8, joint=32)
+
+
 def tiny_sd3(folder, seed: int = 0, t5: bool = True, size: int = 16) -> Path:
-    """A complete SD3 folder with tiny random weights (16x16 pixels -> 4x8x8 latents, one
-    MMDiT block, 8-token CLIPs of different widths so the padding to T5's width matters, an
-    optional 8-token T5), to try regen on and for tests. Tokenizers are built locally."""
+    """A complete SD3 folder with tiny random weights (TINY, with an optional 8-token T5), to try
+    regen on and for tests. Tokenizers are built locally."""
+    random_sd3(folder, seed, t5, **{**TINY, "size": size})
+    return Path(folder)
+
+
+def random_sd3(folder, seed: int, t5: bool, size: int, vae: tuple, groups: int, latent: int, layers: int, heads: int,
+               head_dim: int, clips: tuple, text_len: int, joint: int) -> int:
+    """Write an SD3 pipeline folder of the given shape with random weights (SD3's VAE scaling and
+    shift factors, CLIP-L/G-like encoders, an optional T5); returns the transformer's parameter
+    count. Used by tiny_sd3 and by bench/gpu_throughput.py for a medium-sized model."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
     torch.manual_seed(seed)
-    tok, tok2 = tiny_clip_tokenizer(8), tiny_clip_tokenizer(8)
+    tok, tok2 = tiny_clip_tokenizer(text_len), tiny_clip_tokenizer(text_len)
 
     def clip(hidden: int, proj: int):
-        return CLIPTextModelWithProjection(
-            CLIPTextConfig(
-                vocab_size=len(tok),
-                hidden_size=hidden,
-                intermediate_size=2 * hidden,
-                num_hidden_layers=2,
-                num_attention_heads=2,
-                max_position_embeddings=8,
-                projection_dim=proj,
-                bos_token_id=0,
-                eos_token_id=1,
-                pad_token_id=1,
-            )
-        ).eval()
+        cfg = CLIPTextConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                             num_attention_heads=2, max_position_embeddings=text_len, projection_dim=proj,
+                             bos_token_id=0, eos_token_id=1, pad_token_id=1)
+        return CLIPTextModelWithProjection(cfg).eval()
 
-    enc, enc2 = clip(8, 4), clip(16, 12)  # SD3: CLIP-L 768 + CLIP-G 1280 wide, padded to T5's 4096
-    tok3 = tiny_t5_tokenizer(8) if t5 else None
-    enc3 = (
-        T5EncoderModel(
-            T5Config(
-                vocab_size=len(tok3), d_model=32, d_kv=8, d_ff=32, num_layers=1, num_heads=2, relative_attention_num_buckets=8
-            )
-        ).eval()
-        if t5
-        else None
-    )
+    (w1, p1), (w2, p2) = clips
+    enc, enc2 = clip(w1, p1), clip(w2, p2)  # SD3: CLIP-L 768 + CLIP-G 1280 wide, padded to T5's 4096
+    tok3 = tiny_t5_tokenizer(text_len) if t5 else None
+    enc3 = None
+    if t5:
+        cfg = T5Config(vocab_size=len(tok3), d_model=joint, d_kv=8, d_ff=joint, num_layers=1, num_heads=2,
+                       relative_attention_num_buckets=8)
+        enc3 = T5EncoderModel(cfg).eval()
+    scale = 2 ** (len(vae) - 1)
     transformer = SD3Transformer2DModel(
-        sample_size=size // 2,
-        patch_size=2,
-        in_channels=4,
-        out_channels=4,
-        num_layers=1,
-        attention_head_dim=8,
-        num_attention_heads=2,
-        joint_attention_dim=32,
-        caption_projection_dim=16,
-        pooled_projection_dim=16,
-        pos_embed_max_size=size // 2,
+        sample_size=size // scale, patch_size=2, in_channels=latent, out_channels=latent, num_layers=layers,
+        attention_head_dim=head_dim, num_attention_heads=heads, joint_attention_dim=joint,
+        caption_projection_dim=heads * head_dim, pooled_projection_dim=p1 + p2, pos_embed_max_size=size // scale,
     )
-    vae = AutoencoderKL(  # two blocks: scale 2; SD3's scaling and shift factors
-        block_out_channels=(8, 16),
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
-        latent_channels=4,
-        norm_num_groups=4,
-        sample_size=size,
-        scaling_factor=1.5305,
-        shift_factor=0.0609,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
+    autoencoder = AutoencoderKL(  # SD3's scaling and shift factors
+        block_out_channels=tuple(vae), down_block_types=("DownEncoderBlock2D",) * len(vae),
+        up_block_types=("UpDecoderBlock2D",) * len(vae), latent_channels=latent, norm_num_groups=groups,
+        sample_size=size, scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False, use_post_quant_conv=False,
     )
-    text = SD3TextEncoder(enc, enc2, tok, tok2, enc3, tok3, max_sequence_length=8, joint_attention_dim=32)
-    policy = SD3FlowPolicy(
-        transformer,
-        text,
-        vae,
-        FlowMatchEulerDiscreteScheduler(shift=3.0),
-        {"height": size, "width": size, "max_sequence_length": 8},
-        torch.device("cpu"),
-    )
+    text = SD3TextEncoder(enc, enc2, tok, tok2, enc3, tok3, max_sequence_length=text_len, joint_attention_dim=joint)
+    meta = {"height": size, "width": size, "max_sequence_length": text_len}
+    policy = SD3FlowPolicy(transformer, text, autoencoder, FlowMatchEulerDiscreteScheduler(shift=3.0), meta,
+                           torch.device("cpu"))
     policy.save_pretrained(Path(folder))
-    return Path(folder)
+    return sum(p.numel() for p in transformer.parameters())
