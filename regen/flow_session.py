@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from regen.algorithms.flow import ema_update_, nft_ema_decay
 from regen.config import RLConfig, dump_config
-from regen.data import EpochSampler, PromptItem
+from regen.data import EpochSampler
 from regen.errors import UserError
 from regen.flow_sft import load_flow_policy, save_media
 from regen.policies.flow import FlowPolicy
@@ -27,7 +27,6 @@ from regen.policies.flow_lora import (
     trainable_state,
 )
 from regen.policies.lm import resolve_device
-from regen.rewards import CombinedReward
 from regen.runtime import checkpoint as ckpt
 from regen.runtime.alerts import Alerts
 from regen.runtime.health import HealthMonitor
@@ -35,28 +34,15 @@ from regen.runtime.metrics import MetricsLogger, nanmean
 from regen.runtime.offload import PhaseHooks, loop_hooks
 from regen.runtime.optim import make_optimizer
 from regen.runtime.precision import Precision
-from regen.runtime.rundir import end_status, mark_closed, mark_running, prepare, setup_torch
-from regen.session import begin_rollback, end_rollback, resume_state, run_inputs, save_run_checkpoint
+from regen.runtime.rundir import mark_running, prepare, setup_torch
+from regen.session import RunBooks, begin_rollback, end_rollback, resume_state, run_inputs, save_run_checkpoint
 
 NFT_OLD, WEIGHT_EMA = "nft_old.safetensors", "weight_ema.safetensors"  # in each checkpoint
 EVAL_SEED_OFFSET = 7919  # held-out samples draw from their own stream: before/after on equal noise
 
 
 @dataclass
-class FlowRun:
-    cfg: RLConfig
-    run_dir: Path
-    policy: FlowPolicy
-    opt: torch.optim.Optimizer
-    data: EpochSampler
-    gen: torch.Generator
-    reward: CombinedReward
-    prompts: list[PromptItem]
-    eval_items: list[PromptItem]
-    log: MetricsLogger
-    alerts: Alerts
-    health: HealthMonitor
-    start_step: int
+class FlowRun(RunBooks):
     ref: torch.nn.Module | None  # frozen starting UNet, for flow_grpo's KL
     ema: torch.nn.Module | None  # DiffusionNFT's slowly moving old policy (AWM's EMA anchor)
     weight_ema: torch.nn.Module | None  # flow.weight_ema: the weights evaluated and exported
@@ -173,11 +159,6 @@ class FlowRun:
             metrics["eval/adherence_accuracy"] = nanmean(AdherenceAccuracy()(samples))
         save_media(self.run_dir, step, out, total, policy=self.policy)
         return metrics
-
-    def close(self) -> None:
-        self.log.close()
-        self.alerts.flush()
-        mark_closed(self.run_dir, end_status(self.run_dir, self.cfg.train.steps))
 
 
 def build_policy(cfg: RLConfig, device: torch.device, model_dir: Path | None = None) -> FlowPolicy:

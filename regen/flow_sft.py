@@ -17,7 +17,7 @@ from regen.policies.lm import resolve_device
 from regen.runtime import checkpoint as ckpt
 from regen.runtime.loggers import require as require_loggers
 from regen.runtime.metrics import MetricsLogger
-from regen.runtime.optim import lr_at, make_optimizer, set_lr
+from regen.runtime.optim import lr_at, make_optimizer, sft_step
 from regen.runtime.progress import StepProgress
 from regen.runtime.rundir import mark_closed, mark_running, prepare, setup_torch
 
@@ -131,11 +131,7 @@ def sft_flow(cfg: SFTConfig, resume: bool = False) -> dict:
             x0 = shapes.draw(metas).to(device)  # the torch RNG: saved in checkpoints, so resume is exact
             loss = policy.flow_matching_loss(x0, [shapes.prompt_text(m) for m in metas], None)
             lr = lr_at(step, cfg.optim, s.steps)
-            set_lr(opt, lr)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            gn = torch.nn.utils.clip_grad_norm_(params, s.grad_clip if s.grad_clip > 0 else float("inf"))
-            opt.step()
+            gn = sft_step(opt, loss, params, lr, s.grad_clip)
             dt = time.perf_counter() - t0
             metrics = {"loss": loss.item(), "grad_norm": float(gn), "lr": lr, "time/step_s": dt,
                        "throughput/samples_per_s": s.global_batch_size / dt}

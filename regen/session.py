@@ -27,10 +27,13 @@ from regen.runtime.rundir import end_status, mark_closed, mark_running, prepare,
 
 
 @dataclass
-class Session:
+class RunBooks:
+    """What every RL run keeps, whatever it trains: a Session (language models, below) or a
+    FlowRun (flow models, regen/flow_session.py)."""
+
     cfg: RLConfig
     run_dir: Path
-    policy: LMPolicy
+    policy: object  # LMPolicy or FlowPolicy
     opt: torch.optim.Optimizer
     data: EpochSampler
     gen: torch.Generator
@@ -41,6 +44,19 @@ class Session:
     alerts: Alerts
     health: HealthMonitor
     start_step: int
+
+    def close(self) -> None:
+        self.log.close()
+        self._close_more()
+        self.alerts.flush()
+        mark_closed(self.run_dir, end_status(self.run_dir, self.cfg.train.steps))
+
+    def _close_more(self) -> None:
+        """What a run closes besides its logs and alerts."""
+
+
+@dataclass
+class Session(RunBooks):
     saved_reward_versions: dict | None  # from the checkpoint resumed, to warn when they changed
     mirror: object | None = None  # S3Mirror when mirror.url is set
     critic: Critic | None = None  # PPO's value model (algorithm.name=ppo) and its optimizer
@@ -122,12 +138,9 @@ class Session:
                 self.critic_opt.load_state_dict(critic_opt.state_dict())
         end_rollback(self, step, folder)
 
-    def close(self) -> None:
-        self.log.close()
+    def _close_more(self) -> None:
         if self.mirror is not None:
             self.mirror.close()  # waits for the uploads still in flight
-        self.alerts.flush()
-        mark_closed(self.run_dir, end_status(self.run_dir, self.cfg.train.steps))
 
 
 def begin_rollback(run, step: int) -> Path | None:
