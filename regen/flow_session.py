@@ -35,7 +35,7 @@ from regen.runtime.offload import PhaseHooks, loop_hooks
 from regen.runtime.optim import make_optimizer
 from regen.runtime.precision import Precision
 from regen.runtime.rundir import mark_running, prepare, setup_torch
-from regen.session import RunBooks, begin_rollback, end_rollback, resume_state, run_inputs, save_run_checkpoint
+from regen.session import RunBooks, begin_rollback, end_rollback, restore_books, resume_state, run_inputs, save_run_checkpoint
 
 NFT_OLD, WEIGHT_EMA = "nft_old.safetensors", "weight_ema.safetensors"  # in each checkpoint
 EVAL_SEED_OFFSET = 7919  # held-out samples draw from their own stream: before/after on equal noise
@@ -79,11 +79,7 @@ class FlowRun(RunBooks):
         data = EpochSampler(len(prompts), cfg.run.seed)
         gen = torch.Generator().manual_seed(cfg.run.seed)
         health = HealthMonitor(cfg.health, alerts)
-        start_step = 0
-        if state is not None:
-            start_step = ckpt.restore(state, run_dir, opt, data, gen)
-            if "health" in state["state"]:
-                health.load_state(state["state"]["health"])
+        start_step = restore_books(state, run_dir, opt, data, gen, health)
         dump_config(cfg, run_dir / "config.yaml")
         mark_running(run_dir)
         log = MetricsLogger(run_dir, cfg.log, config=cfg, resume=state is not None,

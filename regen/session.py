@@ -90,11 +90,7 @@ class Session(RunBooks):
         data = EpochSampler(len(prompts), cfg.run.seed)
         gen = torch.Generator(device=device).manual_seed(cfg.run.seed)
         health = HealthMonitor(cfg.health, alerts)
-        start_step = 0
-        if state is not None:
-            start_step = ckpt.restore(state, run_dir, opt, data, gen)
-            if "health" in state["state"]:
-                health.load_state(state["state"]["health"])
+        start_step = restore_books(state, run_dir, opt, data, gen, health)
         dump_config(cfg, run_dir / "config.yaml")
         mark_running(run_dir)  # run.json: `regen status` tells a live run from a dead one
         hooks = loop_hooks(cfg.train.offload, device, [opt, critic_opt],
@@ -193,6 +189,17 @@ def run_inputs(cfg: RLConfig) -> tuple[CombinedReward, list[PromptItem], list[Pr
     if len(prompts) < cfg.prompts_per_step:
         raise UserError(f"data.train: {len(prompts)} prompts, fewer than the {cfg.prompts_per_step} per step")
     return reward, prompts, eval_items
+
+
+def restore_books(state: dict | None, run_dir: Path, opt, data, gen, health: HealthMonitor) -> int:
+    """The step to continue from (0 for a new run): optimizer, data position, RNG streams and
+    health monitor back as the checkpoint `state` left them."""
+    if state is None:
+        return 0
+    step = ckpt.restore(state, run_dir, opt, data, gen)
+    if "health" in state["state"]:
+        health.load_state(state["state"]["health"])
+    return step
 
 
 def resume_state(cfg: RLConfig, run_dir: Path, alerts: Alerts, force: bool) -> dict:
