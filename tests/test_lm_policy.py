@@ -86,15 +86,37 @@ def test_same_seed_same_samples(policy):
 def test_top_p_keeps_only_the_nucleus():
     # probs 0.5, 0.3, 0.15, 0.05: the smallest prefix reaching 0.7 is {0, 1}
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(4000, 1)
-    draws = sample_token(logits, 1.0, 0.7, torch.Generator().manual_seed(0))
+    draws = sample_token(logits, 1.0, 0.7, torch.rand(4000, generator=torch.Generator().manual_seed(0)))
     assert set(draws.tolist()) == {0, 1}
     # renormalised inside the nucleus: P(0) = 0.5 / 0.8 = 0.625
     assert abs((draws == 0).float().mean().item() - 0.625) < 0.03
 
 
+def test_inverse_cdf_draws_follow_the_cumulative_probabilities():
+    # probs 0.5, 0.3, 0.15, 0.05 -> cdf 0.5, 0.8, 0.95, 1.0: u picks the first token whose cdf exceeds u
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(6, 1)
+    u = torch.tensor([0.0, 0.49, 0.5, 0.79, 0.81, 0.96])
+    assert sample_token(logits, 1.0, 1.0, u).tolist() == [0, 0, 1, 1, 2, 3]
+    # nucleus 0.7 keeps {0, 1} (mass 0.8): u * 0.8 against cdf 0.5, 0.8 -> 0.6*0.8=0.48 -> 0; 0.7*0.8=0.56 -> 1
+    assert sample_token(logits[:2], 1.0, 0.7, torch.tensor([0.6, 0.7])).tolist() == [0, 1]
+    # a zero-probability token is never drawn, even when u lands exactly on its cdf
+    zero = torch.log(torch.tensor([[0.5, 0.0, 0.5]]))
+    assert sample_token(zero, 1.0, 1.0, torch.tensor([0.5])).tolist() == [2]
+
+
+def test_a_slice_of_the_batch_samples_the_same_rows_with_its_uniforms(policy):
+    # what torchrun data parallelism relies on: a rank samples its groups with its slice of the uniforms
+    u = torch.rand(len(PROMPTS) * 2, 6, generator=torch.Generator().manual_seed(3))
+    whole = policy.sample(PROMPTS, 2, 1.0, 1.0, 6, None, uniforms=u)
+    for lo, hi in ((0, 2), (2, 4)):
+        part = policy.sample(PROMPTS[lo:hi], 2, 1.0, 1.0, 6, None, uniforms=u[2 * lo : 2 * hi])
+        assert part.completions == whole.completions[2 * lo : 2 * hi]
+    assert len(set(whole.completions)) > 2  # really sampled, not greedy
+
+
 def test_temperature_sharpens():
     logits = torch.log(torch.tensor([[0.6, 0.4]])).repeat(4000, 1)
-    draws = sample_token(logits, 0.5, 1.0, torch.Generator().manual_seed(0))
+    draws = sample_token(logits, 0.5, 1.0, torch.rand(4000, generator=torch.Generator().manual_seed(0)))
     # softmax(log p / 0.5) = p^2 / sum p^2 = 0.36 / 0.52 = 0.6923
     assert abs((draws == 0).float().mean().item() - 0.36 / 0.52) < 0.03
 

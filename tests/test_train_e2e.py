@@ -57,7 +57,7 @@ def test_resume_is_exact(base_model, tmp_path):
 
 def test_kl_to_reference(base_model, tmp_path):
     run = tmp_path / "kl"
-    assert train(run, base_model, "train.steps=4", "algorithm.kl_coef=0.1", "optim.lr=1e-3") == 0
+    assert train(run, base_model, "train.steps=4", "algorithm.kl_coef=0.1", "optim.lr=1e-3", ENDS_EVEN) == 0
     rows = read_jsonl(run / "metrics.jsonl")
     assert rows[0]["kl"] == 0.0  # first step: policy == reference
     assert rows[-1]["kl"] > 0.0

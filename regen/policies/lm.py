@@ -30,6 +30,7 @@ class LMRollout:
     finished: torch.Tensor  # (B,) bool: the completion ended with EOS (not truncated)
     prompt_width: int  # P
     completions: list[str]  # (B,) decoded responses, EOS and padding removed
+    version: torch.Tensor | None = None  # (B,) long: weight version that sampled each row (rollout workers)
 
     @property
     def response_ids(self) -> torch.Tensor:  # (B, T)
@@ -48,7 +49,13 @@ class LMRollout:
             self.finished[idx],
             self.prompt_width,
             [self.completions[i] for i in keep],
+            None if self.version is None else self.version[idx.cpu()],
         )
+
+    def to(self, device) -> LMRollout:
+        """The same rollout with its tensors on `device` (rollouts travel between processes on the CPU)."""
+        return LMRollout(self.input_ids.to(device), self.attention_mask.to(device), self.response_mask.to(device),
+                         self.finished.to(device), self.prompt_width, self.completions, self.version)
 
 
 def concat_rollouts(parts: list[LMRollout], pad_id: int) -> LMRollout:
@@ -66,8 +73,9 @@ def concat_rollouts(parts: list[LMRollout], pad_id: int) -> LMRollout:
         att.append(torch.cat([F.pad(p.attention_mask[:, : p.prompt_width], (left, 0)),
                               F.pad(p.attention_mask[:, p.prompt_width :], (0, right))], 1))
         resp_mask.append(F.pad(p.response_mask, (0, right)))
+    versions = None if any(p.version is None for p in parts) else torch.cat([p.version for p in parts])
     return LMRollout(torch.cat(ids), torch.cat(att), torch.cat(resp_mask), torch.cat([p.finished for p in parts]),
-                     P, [c for p in parts for c in p.completions])
+                     P, [c for p in parts for c in p.completions], versions)
 
 
 def max_positions(model) -> int:
@@ -136,6 +144,11 @@ class LMPolicy:
         if isinstance(reference, str) and reference == "copy":
             reference = copy.deepcopy(self.model)
         self.ref = None if reference is None else reference.to(device).eval().requires_grad_(False)
+        # Data parallel (regen/runtime/dist.py): the update's forward goes through the DDP wrapper
+        # when there is one; under FSDP2 every rank must run the same number of forwards, so a
+        # rank whose rows are done keeps stepping until `all_done` says every rank's are.
+        self.forward_model = self.model
+        self.all_done = lambda done: bool(done.all())
 
     # ---------------------------------------------------------------- sampling
 
@@ -149,8 +162,14 @@ class LMPolicy:
         max_new_tokens: int,
         generator: torch.Generator,
         greedy: bool = False,
+        uniforms: torch.Tensor | None = None,
     ) -> LMRollout:
-        """Sample n completions per prompt (consecutive rows form a group)."""
+        """Sample n completions per prompt (consecutive rows form a group).
+
+        The randomness is one uniform per (row, token position), drawn up front: `uniforms`
+        (B, max_new_tokens), or drawn from `generator`. A row's tokens then depend only on its
+        own uniforms, so a process sampling a slice of a batch with the matching slice of the
+        batch's uniforms draws exactly the rows the whole batch would (torchrun data parallel)."""
         model = self.model
         was_training = model.training
         model.eval()
@@ -168,13 +187,15 @@ class LMPolicy:
         B, P = prompt_ids.shape
         next_pos = p_pos[:, -1:].repeat_interleave(n, 0) + 1
         done = torch.zeros(B, dtype=torch.bool, device=self.device)
+        if uniforms is None and not greedy:
+            uniforms = torch.rand(B, max_new_tokens, generator=generator, device=generator.device)
         tokens = []
         for t in range(max_new_tokens):
-            tok = logits.argmax(-1) if greedy else sample_token(logits, temperature, top_p, generator)
+            tok = logits.argmax(-1) if greedy else sample_token(logits, temperature, top_p, uniforms[:, t].to(self.device))
             tok = torch.where(done, torch.full_like(tok, self.pad_id), tok)
             tokens.append(tok)
             done = done | (tok == self.eos_id)
-            if t + 1 == max_new_tokens or bool(done.all()):
+            if t + 1 == max_new_tokens or self.all_done(done):
                 break
             mask = torch.cat([mask, mask.new_ones(B, 1)], 1)
             out = model(
@@ -227,6 +248,7 @@ class LMPolicy:
                               entropy_grad)
 
     def _logprobs(self, model, batch, temperature, with_entropy, group_size, entropy_grad):
+        model = self.forward_model if model is self.model else model
         if group_size > 1:
             logits = _shared_prefix_logits(model, batch, group_size)
         else:
@@ -247,16 +269,21 @@ class LMPolicy:
     def is_lora(self) -> bool:
         return hasattr(self.model, "disable_adapter") and hasattr(self.model, "merge_and_unload")
 
-    def save_pretrained(self, folder: Path) -> None:
-        """Checkpoint form: a Hugging Face folder (for LoRA: the adapter only, peft's format)."""
+    def save_pretrained(self, folder: Path, state_dict: dict | None = None) -> None:
+        """Checkpoint form: a Hugging Face folder (for LoRA: the adapter only, peft's format).
+        state_dict: the gathered weights of a sharded (FSDP2) model."""
         folder.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(folder, safe_serialization=True)
+        if state_dict is not None:  # gathered copies no longer share storage: drop tied names (lm_head = wte)
+            kept = {n for n, _ in self.model.named_parameters()}
+            tied = {n for n, _ in self.model.named_parameters(remove_duplicate=False)} - kept
+            state_dict = {k: v for k, v in state_dict.items() if k not in tied}
+        self.model.save_pretrained(folder, safe_serialization=True, state_dict=state_dict)
         self.tokenizer.save_pretrained(folder)
 
-    def export(self, folder: Path) -> None:
+    def export(self, folder: Path, state_dict: dict | None = None) -> None:
         """A folder AutoModelForCausalLM / AutoTokenizer load as they are (LoRA merged in)."""
         if not self.is_lora:
-            return self.save_pretrained(folder)
+            return self.save_pretrained(folder, state_dict)
         folder.mkdir(parents=True, exist_ok=True)
         merged = copy.deepcopy(self.model).merge_and_unload()
         merged.save_pretrained(folder, safe_serialization=True)
@@ -334,8 +361,10 @@ def _cache_of(out):
     return cache if cache is not None else out.past_key_values
 
 
-def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
-    """One token per row from softmax(logits / temperature), restricted to the top-p nucleus."""
+def sample_token(logits: torch.Tensor, temperature: float, top_p: float, u: torch.Tensor) -> torch.Tensor:
+    """One token per row from softmax(logits / temperature), restricted to the top-p nucleus,
+    by inverse-CDF sampling with the row's uniform u in [0, 1): the first token whose cumulative
+    probability exceeds u times the total."""
     probs = F.softmax(logits.float() / temperature, -1)
     if top_p < 1.0:
         sorted_p, order = probs.sort(-1, descending=True)
@@ -343,7 +372,12 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generat
         drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    cdf = probs.cumsum(-1)
+    # right=True skips zero-probability tokens (their cdf equals their predecessor's)
+    tok = torch.searchsorted(cdf, (u.float() * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    tok = tok.clamp(max=probs.shape[-1] - 1)
+    # u * total rounding up to the total could land past the last token with mass: take the top one
+    return torch.where(probs.gather(-1, tok[:, None]).squeeze(-1) > 0, tok, probs.argmax(-1))
 
 
 def apply_lora(model, lora_cfg, adapter_dir: Path | None = None):
