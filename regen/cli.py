@@ -245,8 +245,11 @@ def cmd_sft(args) -> int:
     if cfg is None:
         return 0
     from regen.flow_sft import is_flow_model, sft_flow
+    from regen.runtime.dist import launched_by_torchrun
     from regen.sft import sft
 
+    if launched_by_torchrun():
+        raise UserError("regen sft runs in one process; start it with python / regen, not torchrun")
     _print_summary((sft_flow if is_flow_model(cfg.model) else sft)(cfg, resume=args.resume))
     return 0
 

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from regen.config_base import Section
+from regen.config_dist import DistributedConfig
 from regen.config_methods import CriticConfig, FlowConfig
 
 # --------------------------------------------------------------------------- sections
@@ -92,6 +93,10 @@ class RolloutConfig(Section):
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold; 1.0 disables it.")
     max_new_tokens: int = Field(8, ge=1, description="Completion length cap in tokens (EOS included).")
+    engine: Literal["hf", "vllm"] = Field(
+        "hf", description="Language-model sampling engine: 'hf' (regen's KV-cached loop over the transformers "
+        "model) or 'vllm' (needs `pip install vllm` and a GPU; weights are pushed to it after every update)."
+    )
 
 
 class OverlongConfig(Section):
@@ -313,6 +318,9 @@ class RLConfig(Section):
     health: HealthConfig = Field(default_factory=HealthConfig)
     mirror: MirrorConfig = Field(default_factory=MirrorConfig)
     log: LogConfig = Field(default_factory=LogConfig)
+    distributed: DistributedConfig = Field(
+        default_factory=DistributedConfig, description="Where the work runs: one process, torchrun or Ray."
+    )
 
     @model_validator(mode="after")
     def _sizes(self) -> RLConfig:

@@ -147,7 +147,7 @@ def _closest_key(kind: type[BaseModel], loc: list[str]) -> str | None:
 
 # Settings a resumed run may change freely: they do not alter what the run computes.
 RESUME_FREE = ("train.steps", "run.overwrite", "run.device", "run.threads", "checkpoint.", "log.", "eval.",
-               "health.", "mirror.")
+               "health.", "mirror.", "distributed.")
 
 
 def incompatible_changes(saved: dict, current: dict, prefix: str = "") -> list[str]:

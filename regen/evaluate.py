@@ -15,6 +15,7 @@ import torch
 from regen.data import PromptItem
 from regen.rewards import CombinedReward, Sample
 from regen.rewards.builtin import exact_match
+from regen.runtime import dist
 
 EVAL_SEED_OFFSET = 7919  # eval draws from its own stream so it never shifts the training RNG
 SAMPLES_KEPT = 16  # rows written per evaluation: enough to read, small enough for any run length
@@ -85,7 +86,7 @@ def run_eval(
         policy, items, temperature=e.temperature or r.temperature, samples_per_prompt=e.samples_per_prompt,
         reward=reward, **common,
     )
-    if run_dir is not None and step is not None:
+    if run_dir is not None and step is not None and dist.current().main:
         write_samples(Path(run_dir), step, rows)
     out = {f"eval/{k}": v for k, v in sampled.items()}
     if e.greedy:

@@ -18,8 +18,10 @@ from regen.algorithms.losses import batch_denominators
 from regen.config import RLConfig
 from regen.errors import RunStopped, UserError
 from regen.evaluate import fmt_eval, run_eval
+from regen.placement import which_loop
 from regen.policies.lm import LMPolicy, LMRollout, concat_rollouts
 from regen.rewards import Sample
+from regen.runtime.dist import Dist
 from regen.runtime.metrics import nanmean
 from regen.runtime.optim import lr_at, set_lr
 from regen.runtime.precision import Precision
@@ -28,29 +30,38 @@ from regen.runtime.signals import GracefulStop
 from regen.session import Session
 
 
-def _minibatching(cfg: RLConfig) -> tuple[int, int, bool]:
-    """(minibatch size, rows sharing a prompt inside a minibatch, single on-policy pass?)"""
+def _minibatching(cfg: RLConfig, d: Dist | None = None) -> tuple[int, int, int, bool]:
+    """(minibatch size, rows kept together in minibatches, rows sharing a prompt's forward,
+    single on-policy pass?)"""
     B, mb, n = cfg.rollout.global_batch_size, cfg.train.global_minibatch_size, cfg.rollout.group_size
-    # Minibatches of whole groups let each group's prompt be computed once (see token_logprobs).
-    return mb, (n if mb % n == 0 else 1), cfg.train.ppo_epochs == 1 and mb == B
+    d = d or Dist()
+    unit = n if mb % n == 0 else 1  # minibatches of whole groups when they fit
+    # Whole groups let each group's prompt be computed once (see token_logprobs); under torchrun
+    # each rank's share of a minibatch must hold whole groups for that. FSDP2 needs the same
+    # number of forwards on every rank, which the prompt sharing (length buckets) does not give.
+    share = unit if (mb // d.world) % unit == 0 and not d.sharded else 1
+    return mb, unit, share, cfg.train.ppo_epochs == 1 and mb == B
 
 
 @torch.no_grad()
-def fixed_logprobs(policy: LMPolicy, batch: LMRollout, cfg: RLConfig):
+def fixed_logprobs(policy: LMPolicy, batch: LMRollout, cfg: RLConfig, d: Dist | None = None):
     """Log-probs that stay fixed during the update: the behaviour policy's (old) and the
-    reference's. They need no rewards, so the loop computes them while scoring runs."""
-    mb, share, single_pass = _minibatching(cfg)
-    temp, chunks = cfg.rollout.temperature, torch.arange(batch.input_ids.shape[0]).split(mb)
+    reference's. They need no rewards, so the loop computes them while scoring runs. Under
+    torchrun each rank computes its own groups' rows and every rank gets all of them."""
+    d = d or Dist()
+    mb, _, share, single_pass = _minibatching(cfg, d)
+    rows = d.my_rows(torch.arange(batch.input_ids.shape[0]), cfg.rollout.group_size)
+    temp, chunks = cfg.rollout.temperature, rows.split(mb // d.world)
     # In a single on-policy pass the old log-probs equal the new ones before the step, so
     # the update reuses its own forward (detached) instead of paying for another; a KL folded
     # into the reward needs them before the update, though.
-    old_logp = None if single_pass and cfg.algorithm.kl_placement == "loss" else torch.cat(
+    old_logp = None if single_pass and cfg.algorithm.kl_placement == "loss" else d.gather_rows(torch.cat(
         [policy.token_logprobs(batch.select(i), temp, group_size=share)[0] for i in chunks]
-    )
+    ))
     need_ref = policy.ref is not None or (policy.is_lora and cfg.algorithm.kl_coef > 0)
-    ref_logp = None if not need_ref else torch.cat(
+    ref_logp = None if not need_ref else d.gather_rows(torch.cat(
         [policy.token_logprobs(batch.select(i), temp, use_ref=True, group_size=share)[0] for i in chunks]
-    )
+    ))
     return old_logp, ref_logp
 
 
@@ -68,25 +79,28 @@ def advantages(cfg: RLConfig, rewards, batch: LMRollout, old_logp, ref_logp, old
 
 def update(
     policy: LMPolicy, opt, batch: LMRollout, adv: torch.Tensor, mask: torch.Tensor, old_logp, ref_logp,
-    cfg: RLConfig, gen, critic=None, train_policy: bool = True, prec: Precision | None = None,
+    cfg: RLConfig, gen, critic=None, train_policy: bool = True, prec: Precision | None = None, d: Dist | None = None,
 ) -> dict[str, float]:
     """ppo_epochs passes over the batch in minibatches, one optimizer step per minibatch;
     each minibatch's gradient is accumulated over micro-batches, so memory is bounded by the
     micro-batch while the loss is exactly the minibatch's (same denominators, see aggregate).
     critic: (Critic, its optimizer, old values, returns) for PPO; it steps on the same
     minibatches. train_policy=False (critic warm-up) updates only the critic. prec: train.precision
-    (autocast of the policy's forward, loss scaling; the critic trains in fp32)."""
+    (autocast of the policy's forward, loss scaling; the critic trains in fp32). d: under torchrun
+    each rank takes its share of every minibatch, with the whole minibatch's denominators, and the
+    gradient engine (DDP / FSDP2) sums the shares (see regen/runtime/dist.py)."""
     a, t = cfg.algorithm, cfg.train
-    prec = prec or Precision("fp32", policy.device)
+    prec, d = prec or Precision("fp32", policy.device), d or Dist()
     temp, B = cfg.rollout.temperature, mask.shape[0]
-    mb, share, single_pass = _minibatching(cfg)
+    mb, unit, share, single_pass = _minibatching(cfg, d)
     micro = t.micro_batch_size or mb
     loss_fn = POLICY_LOSSES[a.name]
     sums: dict[str, float] = {}
     n_steps = skipped = 0
-    params = [p for p in policy.model.parameters() if p.requires_grad]
+    # the optimizer's own list: FSDP2 swaps a module's parameters for unsharded ones around forwards
+    params = [p for g in opt.param_groups for p in g["params"]]
     for _ in range(t.ppo_epochs):
-        order = torch.arange(B) if single_pass else _shuffle_groups(B, share, gen)
+        order = torch.arange(B) if single_pass else _shuffle_groups(B, unit, gen)  # the same order on every rank
         for idx in order.split(mb):
             if critic is not None:
                 c_model, c_opt, old_v, returns = critic
@@ -97,10 +111,11 @@ def update(
             if not train_policy:
                 continue
             denoms = batch_denominators(mask[idx])
+            tokens = batch.response_mask[idx].sum().clamp(min=1)
             opt.zero_grad(set_to_none=True)
             step_m: dict[str, float] = {}
             finite = True
-            for part in idx.split(micro):
+            for part in d.my_rows(idx, share).split(micro):
                 sub = batch.select(part)
                 with prec.autocast():
                     logp, entropy = policy.token_logprobs(sub, temp, with_entropy=True,
@@ -123,19 +138,21 @@ def update(
                     entropy_coef=a.entropy_coef,
                     denoms=denoms,
                 )
-                if not torch.isfinite(loss):
-                    finite = False  # a non-finite loss would poison the weights: skip this step
+                if not d.all_true(bool(torch.isfinite(loss))):
+                    finite = False  # a non-finite loss would poison the weights: skip this step (every rank)
                     break
-                prec.backward(loss)
-                m["entropy"] = (entropy.detach() * sub.response_mask).sum() / sub.response_mask.sum().clamp(min=1)
+                prec.backward(loss * d.loss_scale)
+                # token mean over the whole minibatch, so shares of it (micro-batches, ranks) add up
+                m["entropy"] = (entropy.detach() * sub.response_mask).sum() / tokens
                 share_of_rows = len(part) / len(idx)
                 for k, v in m.items():  # losses are already scaled to the minibatch: they add up
-                    w = 1.0 if k in ("loss", "pg_loss", "kl") else share_of_rows
+                    w = 1.0 if k in ("loss", "pg_loss", "kl", "entropy") else share_of_rows
                     step_m[k] = step_m.get(k, 0.0) + w * float(v)
             if not finite:
                 skipped += 1
                 opt.zero_grad(set_to_none=True)
                 continue
+            step_m = d.sum_floats(step_m)  # each rank's share of the minibatch's metrics
             grad_norm, stepped = prec.step(opt, params, t.grad_clip)
             if not stepped:
                 skipped += 1
@@ -172,7 +189,7 @@ def refill_groups(run: Session, cfg: RLConfig, batch: LMRollout, scored) -> tupl
     rewards differ (the others have zero advantage: no signal) and sample more prompts until
     the step holds prompts_per_step such groups, at most algorithm.max_sampling_rounds extra
     rounds. Returns the filled rollout, its (rewards, parts), and metrics."""
-    n, G, r = cfg.rollout.group_size, cfg.prompts_per_step, cfg.rollout
+    n, G = cfg.rollout.group_size, cfg.prompts_per_step
     kept: list[tuple[LMRollout, torch.Tensor, dict]] = []
     have = dropped = rounds = 0
     while True:
@@ -190,8 +207,7 @@ def refill_groups(run: Session, cfg: RLConfig, batch: LMRollout, scored) -> tupl
         if have >= G or rounds >= cfg.algorithm.max_sampling_rounds:
             break
         rounds += 1
-        items = [run.prompts[i] for i in run.data.take(G)]
-        batch = run.policy.sample([it.prompt for it in items], n, r.temperature, r.top_p, r.max_new_tokens, run.gen)
+        items, batch = run.rollout.next(run.gen)
         scored = score_batch(run.reward, batch, items, cfg)
     metrics = {"dynamic/extra_rounds": float(rounds), "dynamic/dropped_groups": float(dropped),
                "dynamic/filled_frac": have / G}
@@ -215,28 +231,17 @@ def _shuffle_groups(B: int, n: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def train(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
-    from regen.flow_sft import is_flow_model
-
-    flow_algo, flow_model = cfg.algorithm.name in ("flow_grpo", "flow_dppo", "nft", "awm"), is_flow_model(cfg.model)
-    model = cfg.model.path or cfg.model.init
-    if flow_algo and not flow_model:
-        raise UserError(f"algorithm.name={cfg.algorithm.name} trains flow-matching image/video models; model "
-                        f"'{model}' is a language model (use grpo, ppo, gspo or dpo)")
-    if flow_model and not flow_algo:
-        raise UserError(f"model '{model}' is a flow-matching model: use algorithm.name flow_grpo, flow_dppo, nft "
-                        f"or awm, not {cfg.algorithm.name}")
-    if flow_model:  # images / videos: see regen/flow_loop.py
+    kind = which_loop(cfg)  # refuses a model / algorithm / placement that do not go together
+    if kind == "flow":  # images / videos: see regen/flow_loop.py
         from regen.flow_loop import train_flow
 
         return train_flow(cfg, resume, force)
-    if cfg.algorithm.name == "dpo":  # offline: no sampling, no reward; see regen/dpo.py
+    if kind == "dpo":  # offline: no sampling, no reward; see regen/dpo.py
         from regen.dpo import train_dpo
 
         return train_dpo(cfg, resume, force)
     run = Session.start(cfg, resume, force)  # inputs checked, run dir ready, state restored
-    policy, opt, data, gen, reward, alerts, health = (
-        run.policy, run.opt, run.data, run.gen, run.reward, run.alerts, run.health)
-    n, r = cfg.rollout.group_size, cfg.rollout
+    policy, opt, gen, reward, alerts, health = run.policy, run.opt, run.gen, run.reward, run.alerts, run.health
     scorer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="regen-score")
     unscored = 0  # consecutive steps in which no sample got a score
     expected_versions = run.saved_reward_versions
@@ -259,9 +264,8 @@ def train(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
             t0 = time.perf_counter()
             # 1. sample: a group of n completions for each prompt of this step
             run.hooks.enter("sample")
-            items = [run.prompts[i] for i in data.take(cfg.prompts_per_step)]
             with run.precision.autocast():
-                batch = policy.sample([it.prompt for it in items], n, r.temperature, r.top_p, r.max_new_tokens, gen)
+                items, batch = run.rollout.next(gen)  # here, on each torchrun rank, or on Ray actors
             run.hooks.enter("update")  # reference, critic and optimizer state back for what follows
             t1 = time.perf_counter()
 
@@ -273,7 +277,7 @@ def train(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
                 batch, scored, dyn = refill_groups(run, cfg, batch, scoring.result())
                 scoring = _done(scored)
             with run.precision.autocast():  # the same autocast as the update's: on-policy ratio 1
-                old_logp, ref_logp = fixed_logprobs(policy, batch, cfg)
+                old_logp, ref_logp = fixed_logprobs(policy, batch, cfg, run.dist)
             t_wait = time.perf_counter()
             rewards, parts = scoring.result()
             t2 = time.perf_counter()
@@ -304,17 +308,21 @@ def train(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
                 critic = (run.critic, run.critic_opt, old_values, returns)
             if scored:
                 upd = update(policy, opt, batch, adv, mask, old_logp, ref_logp, cfg, gen, critic,
-                             train_policy=step > cfg.critic.warmup_steps or run.critic is None, prec=run.precision)
+                             train_policy=step > cfg.critic.warmup_steps or run.critic is None, prec=run.precision,
+                             d=run.dist)
                 if critic is not None:
                     upd["critic/explained_var"] = explained_variance(old_values, returns, mask)
             else:
                 upd = {"update_skipped": 1.0}
             t3 = time.perf_counter()
 
-            # 5. sync: the sampler is the trained model itself in a single process: nothing to move.
+            # 5. sync: new weights to the sampler (nothing to move when the sampler is the trained model)
+            sync_m = run.rollout.sync(policy, step)
 
             metrics = step_metrics(batch, rewards, parts, adv_m, upd, lr, (t0, t1, t_wait, t2, t3))
             metrics.update(reward.stats())
+            metrics.update(run.rollout.stats())
+            metrics.update(sync_m)
             metrics.update(dyn)
             if run.eval_items and cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
                 metrics.update(run_eval(policy, run.eval_items, cfg, reward, run.run_dir, step))
@@ -333,7 +341,7 @@ def train(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
                     f"stopped at step {step}: no reward came back for {unscored} consecutive steps "
                     f"(see {run.run_dir / 'alerts.jsonl'}); a checkpoint was written: fix the scorer and rerun"
                 )
-            if stop.requested:
+            if run.dist.any_true(stop.requested):  # torchrun: every rank stops at the same step
                 summary["stopped_early"] = True
                 break
 
@@ -346,9 +354,7 @@ def train(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
     scorer.shutdown()
     summary["export"] = str(run.run_dir / "export")
     if not summary["stopped_early"]:
-        policy.export(run.run_dir / "export")
-        if run.mirror is not None:
-            run.mirror.submit_export(run.run_dir / "export")
+        run.export()
     run.close()  # waits for mirror uploads still in flight
     if summary["stopped_early"]:
         print(f"stopped at step {step}: checkpoint {summary['checkpoint']}; run the same command to resume")

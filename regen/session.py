@@ -12,10 +12,12 @@ import torch
 from regen.config import RLConfig, dump_config, incompatible_changes, redact
 from regen.data import EpochSampler, PromptItem, load_prompts
 from regen.errors import RunStopped, UserError
+from regen.placement import SilentLog, check_placement, data_parallel, placement, prepare_on_rank0
 from regen.policies.critic import Critic
 from regen.policies.lm import LMPolicy, apply_lora, load_model_and_tokenizer, resolve_device
 from regen.rewards import CombinedReward
 from regen.runtime import checkpoint as ckpt
+from regen.runtime import dist as rdist
 from regen.runtime.alerts import Alerts
 from regen.runtime.health import HealthMonitor
 from regen.runtime.loggers import require as require_loggers
@@ -23,7 +25,7 @@ from regen.runtime.metrics import MetricsLogger
 from regen.runtime.offload import PhaseHooks, loop_hooks
 from regen.runtime.optim import make_optimizer
 from regen.runtime.precision import Precision
-from regen.runtime.rundir import end_status, mark_closed, mark_running, prepare, setup_torch, versions
+from regen.runtime.rundir import end_status, mark_closed, mark_running, setup_torch, versions
 
 
 @dataclass
@@ -49,7 +51,9 @@ class RunBooks:
         self.log.close()
         self._close_more()
         self.alerts.flush()
-        mark_closed(self.run_dir, end_status(self.run_dir, self.cfg.train.steps))
+        if rdist.current().main:
+            mark_closed(self.run_dir, end_status(self.run_dir, self.cfg.train.steps))
+        rdist.stop()
 
     def _close_more(self) -> None:
         """What a run closes besides its logs and alerts."""
@@ -63,52 +67,80 @@ class Session(RunBooks):
     critic_opt: torch.optim.Optimizer | None = None
     hooks: PhaseHooks = field(default_factory=PhaseHooks)  # run at each phase change (train.offload parks state)
     precision: Precision | None = None  # train.precision: autocast and loss scaling
+    dist: rdist.Dist = field(default_factory=rdist.Dist)  # torchrun rank / world size (single: rank 0 of 1)
+    rollout: object = None  # where samples come from: LocalRollouts or RayRollouts (regen/rollout.py)
 
     @classmethod
     def start(cls, cfg: RLConfig, resume: bool = False, force: bool = False) -> Session:
         # Check everything the user gave before touching the run directory.
         device = resolve_device(cfg.run.device)
-        if cfg.train.gradient_checkpointing:
-            raise UserError("train.gradient_checkpointing: flow models only for now; a language model's update "
-                            "shares each prompt's KV cache across its group, which checkpointing turns off")
+        d = rdist.start(cfg.distributed.mode, cfg.distributed.strategy, cfg.distributed.backend, device)
+        check_placement(cfg, d)
         reward, prompts, eval_items = run_inputs(cfg)
-        run_dir, resume = prepare(cfg.run.dir, cfg.run.overwrite, resume)
+        run_dir, resume = prepare_on_rank0(cfg, resume, d)
         setup_torch(cfg.run.threads, cfg.run.seed)
         alerts = Alerts(run_dir, webhook_url=cfg.health.webhook_url)
-        mirror = _open_mirror(cfg, alerts)
+        mirror = _open_mirror(cfg, alerts) if d.main else None
         if mirror is not None and not resume and mirror.list_complete():
             # nothing here but checkpoints in the bucket: continue from the newest valid one
             if mirror.download_latest(run_dir / "checkpoints") is not None:
                 resume = True
+        resume = d.broadcast_object(resume)
 
         state = resume_state(cfg, run_dir, alerts, force) if resume else None
         model, tok, reference = _load_policy_model(cfg, state)
         policy = LMPolicy(model, tok, device, reference=reference)
         policy.model.eval()  # dropout off: sampling and training see the same function (ratio 1 on-policy)
+        data_parallel(policy, d)
         opt = make_optimizer(policy.model, cfg.optim)
         critic, critic_opt = _load_critic(cfg, device, state, alerts)
         data = EpochSampler(len(prompts), cfg.run.seed)
         gen = torch.Generator(device=device).manual_seed(cfg.run.seed)
         health = HealthMonitor(cfg.health, alerts)
-        start_step = restore_books(state, run_dir, opt, data, gen, health)
-        dump_config(cfg, run_dir / "config.yaml")
-        mark_running(run_dir)  # run.json: `regen status` tells a live run from a dead one
+        start_step = restore_books(state, run_dir, opt, data, gen, health,
+                                   load_optimizer=lambda sd: d.load_optim_state(policy.model, opt, sd))
+        if d.main:
+            dump_config(cfg, run_dir / "config.yaml")
+            mark_running(run_dir)  # run.json: `regen status` tells a live run from a dead one
+        else:
+            cfg.log.progress = "none"  # one progress bar: rank 0's
         hooks = loop_hooks(cfg.train.offload, device, [opt, critic_opt],
                            [policy.ref, None if critic is None else critic.model])
-        return cls(cfg, run_dir, policy, opt, data, gen, reward, prompts, eval_items,
-                   MetricsLogger(run_dir, cfg.log, config=cfg, resume=state is not None,
-                                 warn=lambda step, m: alerts.fire(step, "logger_failed", m)),
-                   alerts, health, start_step,
+        log = MetricsLogger(run_dir, cfg.log, config=cfg, resume=state is not None,
+                            warn=lambda step, m: alerts.fire(step, "logger_failed", m)) if d.main else SilentLog()
+        reward, rollout = placement(cfg, d, policy, reward, data, prompts, start_step)
+        return cls(cfg, run_dir, policy, opt, data, gen, reward, prompts, eval_items, log, alerts, health, start_step,
                    state["state"].get("reward_versions") if state else None, mirror, critic, critic_opt, hooks,
-                   Precision(cfg.train.precision, device))
+                   Precision(cfg.train.precision, device), d, rollout)
 
     def save(self, step: int) -> Path | None:
         """Write a checkpoint; a failed write (disk full...) raises an alert and returns None:
-        earlier checkpoints are untouched and training goes on."""
-        folder = save_run_checkpoint(self, step, None if self.critic is None else self._save_critic)
-        if folder is not None and self.mirror is not None:
-            self.mirror.submit(folder)  # background upload; failures become alerts
+        earlier checkpoints are untouched and training goes on. Under torchrun every rank calls
+        it (FSDP2 gathers the shards), rank 0 writes."""
+        d = self.dist
+        self.rollout.discard_prefetch()  # a batch sampled ahead is not part of the saved state
+        weights, opt_state = d.full_model_state(self.policy.model), d.full_optim_state(self.policy.model, self.opt)
+        folder = None
+        if d.main:
+            folder = save_run_checkpoint(
+                self, step, None if self.critic is None else self._save_critic,
+                save_model=None if weights is None else lambda f: self.policy.save_pretrained(f, weights),
+                opt_state=opt_state)
+            if folder is not None and self.mirror is not None:
+                self.mirror.submit(folder)  # background upload; failures become alerts
+        folder = d.broadcast_object(folder)  # also: no rank reads a checkpoint before it is complete
+        if folder is not None and not d.main:
+            self.health.checkpointed()
         return folder
+
+    def export(self) -> None:
+        """The final model in export/ (rank 0 writes; FSDP2 shards gathered first)."""
+        weights = self.dist.full_model_state(self.policy.model)
+        if self.dist.main:
+            self.policy.export(self.run_dir / "export", weights)
+            if self.mirror is not None:
+                self.mirror.submit_export(self.run_dir / "export")
+        self.dist.barrier()
 
     def _save_critic(self, folder: Path) -> None:
         self.critic.save_pretrained(folder / "critic")
@@ -120,11 +152,11 @@ class Session(RunBooks):
         the batches that went wrong are not replayed."""
         folder = begin_rollback(self, step)
         weights, _, _ = _load_policy_model(self.cfg, None if folder is None else {"model_dir": folder / "model"})
-        self.policy.model.load_state_dict(weights.state_dict())
+        self.dist.load_model_state(self.policy.model, weights.state_dict())
         if folder is None:
             self.opt.state.clear()  # back to the start: a fresh optimizer
         else:
-            self.opt.load_state_dict(ckpt.load_checkpoint(folder)["optimizer"])
+            self.dist.load_optim_state(self.policy.model, self.opt, ckpt.load_checkpoint(folder)["optimizer"])
         if self.critic is not None:  # the critic goes back to the same point as the policy
             state = None if folder is None else {"folder": folder}
             critic, critic_opt = _load_critic(self.cfg, self.critic.device, state, self.alerts)
@@ -132,11 +164,17 @@ class Session(RunBooks):
             self.critic_opt.state.clear()
             if folder is not None:
                 self.critic_opt.load_state_dict(critic_opt.state_dict())
+        self.rollout.discard_prefetch()  # sampled with the weights being abandoned
+        self.rollout.sync(self.policy, step)  # rollout workers / engine get the restored weights
         end_rollback(self, step, folder)
 
     def _close_more(self) -> None:
         if self.mirror is not None:
             self.mirror.close()  # waits for the uploads still in flight
+        if self.rollout is not None:
+            self.rollout.close()
+        if hasattr(self.reward, "close"):
+            self.reward.close()
 
 
 def begin_rollback(run, step: int) -> Path | None:
@@ -155,15 +193,17 @@ def end_rollback(run, step: int, folder: Path | None) -> None:
                     f"learning rate x{run.health.lr_scale:g}", lr_scale=run.health.lr_scale)
 
 
-def save_run_checkpoint(run, step: int, save_extra=None, save_model=None) -> Path | None:
+def save_run_checkpoint(run, step: int, save_extra=None, save_model=None, opt_state=None) -> Path | None:
     """The checkpoint of an RL run (a Session or a FlowRun: weights, optimizer, RNG streams,
     data position, health, reward versions, config). save_model(folder) writes model/ (default:
-    the policy's save_pretrained). A failed write (disk full...) raises an alert and returns
-    None: earlier checkpoints are untouched and training goes on."""
+    the policy's save_pretrained); opt_state: the optimizer's gathered state (FSDP2), else its
+    own. A failed write (disk full...) raises an alert and returns None: earlier checkpoints
+    are untouched and training goes on."""
     tree = redact(run.cfg.model_dump(mode="json"))
+    opt = run.opt if opt_state is None else _Gathered(opt_state)
     try:
         folder = ckpt.save_checkpoint(
-            run.run_dir, step, save_model or run.policy.save_pretrained, run.opt,
+            run.run_dir, step, save_model or run.policy.save_pretrained, opt,
             rng={"sampler": run.gen.get_state(), "torch_cpu": torch.get_rng_state()},
             state={"data": run.data.state(), "healthy": not run.health.problem,
                    "health": run.health.state(), "reward_versions": run.reward.versions(), "config": tree,
@@ -176,6 +216,16 @@ def save_run_checkpoint(run, step: int, save_extra=None, save_model=None) -> Pat
         return None
     run.health.checkpointed()
     return folder
+
+
+class _Gathered:
+    """An optimizer state gathered from FSDP2 shards, presented as the optimizer that saving reads."""
+
+    def __init__(self, state: dict):
+        self._state = state
+
+    def state_dict(self) -> dict:
+        return self._state
 
 
 def run_inputs(cfg: RLConfig) -> tuple[CombinedReward, list[PromptItem], list[PromptItem]]:
@@ -191,12 +241,14 @@ def run_inputs(cfg: RLConfig) -> tuple[CombinedReward, list[PromptItem], list[Pr
     return reward, prompts, eval_items
 
 
-def restore_books(state: dict | None, run_dir: Path, opt, data, gen, health: HealthMonitor) -> int:
+def restore_books(state: dict | None, run_dir: Path, opt, data, gen, health: HealthMonitor,
+                  load_optimizer=None) -> int:
     """The step to continue from (0 for a new run): optimizer, data position, RNG streams and
-    health monitor back as the checkpoint `state` left them."""
+    health monitor back as the checkpoint `state` left them. load_optimizer(state_dict): how the
+    optimizer takes its state (FSDP2 shards it), default opt.load_state_dict."""
     if state is None:
         return 0
-    step = ckpt.restore(state, run_dir, opt, data, gen)
+    step = ckpt.restore(state, run_dir, opt, data, gen, load_optimizer)
     if "health" in state["state"]:
         health.load_state(state["state"]["health"])
     return step

@@ -19,6 +19,10 @@ class Alerts:
         self._lock = threading.Lock()  # fired from the loop and from background uploads
 
     def fire(self, step: int, kind: str, message: str, **data) -> None:
+        from regen.runtime import dist
+
+        if not dist.current().main:  # torchrun: rank 0 speaks for the run (the ranks see the same numbers)
+            return
         row = {"time": time.time(), "step": step, "kind": kind, "message": message, **data}
         with self._lock, self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")

@@ -234,19 +234,22 @@ def resumed_model(model_cfg, state: dict | None):
     return model_cfg.model_copy(update={"path": str(state["model_dir"]), "init": None})
 
 
-def restore(state: dict, run_dir: Path, opt, data, gen: torch.Generator | None = None) -> int:
+def restore(state: dict, run_dir: Path, opt, data, gen: torch.Generator | None = None, load_optimizer=None) -> int:
     """Put optimizer, data position and RNG streams back as they were at the checkpoint, drop
-    metrics rows logged after it (those steps are redone), and return its step."""
+    metrics rows logged after it (those steps are redone), and return its step.
+    load_optimizer(state_dict): how the optimizer takes its state (default opt.load_state_dict)."""
+    from regen.runtime import dist
     from regen.runtime.metrics import truncate_after
 
     if state["optimizer"] is not None:
-        opt.load_state_dict(state["optimizer"])
+        (load_optimizer or opt.load_state_dict)(state["optimizer"])
     data.load_state(state["state"]["data"])
     torch.set_rng_state(state["rng"]["torch_cpu"])
     if gen is not None:
         gen.set_state(state["rng"]["sampler"])
     step = int(state["state"]["step"])
-    truncate_after(run_dir / "metrics.jsonl", step)
+    if dist.current().main:  # torchrun: rank 0 owns the run directory
+        truncate_after(run_dir / "metrics.jsonl", step)
     return step
 
 

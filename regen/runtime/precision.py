@@ -42,6 +42,8 @@ class Precision:
         if self.scaler is not None:
             self.scaler.unscale_(opt)
         norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+        if hasattr(norm, "full_tensor"):  # FSDP2: the norm of sharded gradients is a DTensor
+            norm = norm.full_tensor()
         ok = bool(torch.isfinite(norm))
         if self.scaler is not None:
             if ok:
@@ -50,3 +52,4 @@ class Precision:
         elif ok:
             opt.step()
         return norm, ok
+

@@ -1,0 +1,47 @@
+"""Config of where the work runs (`distributed`): one process, torchrun data parallel, or Ray
+actors for rollout and reward. The rest of the YAML is the same in every mode."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from regen.config_base import Section
+
+
+class DistributedConfig(Section):
+    mode: Literal["auto", "single", "torchrun", "ray"] = Field(
+        "auto", description="'single': one process. 'torchrun': data parallel over the processes torchrun started "
+        "(sampling, scoring and the update split by groups). 'ray': the trainer here, rollout and reward workers as "
+        "Ray actors. 'auto': torchrun when started by torchrun, else single."
+    )
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="torchrun: 'ddp' replicates the model and all-reduces gradients; 'fsdp' shards "
+        "parameters, gradients and optimizer state (FSDP2 fully_shard) for models too big to replicate."
+    )
+    backend: Literal["auto", "nccl", "gloo"] = Field(
+        "auto", description="torchrun: process-group backend; 'auto' = nccl on CUDA, gloo on CPU."
+    )
+    ray_address: str | None = Field(
+        None, description="ray: address of a running Ray cluster ('auto' = the one this node joined with "
+        "`ray start`); null starts a private Ray on this machine."
+    )
+    rollout_workers: int = Field(2, ge=1, description="ray: rollout actors; each samples a share of the groups.")
+    reward_workers: int = Field(1, ge=1, description="ray: reward actors; each scores a share of the samples.")
+    rollout_resources: dict[str, float] = Field(
+        default_factory=lambda: {"num_cpus": 1.0}, description="ray: resources of one rollout actor "
+        "(num_cpus, num_gpus, or custom resources such as a node label)."
+    )
+    reward_resources: dict[str, float] = Field(
+        default_factory=lambda: {"num_cpus": 1.0}, description="ray: resources of one reward actor."
+    )
+    max_staleness: int = Field(
+        0, ge=0, description="ray: most weight versions a rollout may lag behind the trainer. 0: every batch is "
+        "sampled with the current weights. 1: the next batch is sampled while the trainer updates (one step "
+        "off-policy); a batch staler than the bound is thrown away and sampled again."
+    )
+    max_restarts: int = Field(
+        3, ge=0, description="ray: replacements of dead actors allowed per step before the run stops."
+    )
+    actor_threads: int = Field(1, ge=1, description="ray: torch threads of each actor on CPU.")

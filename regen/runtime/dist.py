@@ -1,0 +1,239 @@
+"""Data parallelism under torchrun (`distributed.mode: torchrun`), on torch.distributed.
+
+Every rank holds the whole rollout batch of a step (tokens, rewards, log-probs are small)
+and computes the same advantages; the heavy work is split by rows: each rank samples, scores
+and scores log-probs of its share of the groups, and in the update takes its share of every
+minibatch. Gradients are averaged by DDP (all-reduce) or FSDP2 (`fully_shard`: parameters,
+gradients and optimizer state sharded, reduce-scatter). Because the loss of a share uses the
+*global* minibatch denominators (see algorithms.losses.batch_denominators), the ranks' losses
+add up to the single-process loss; the averaging engines divide by the world size, so each
+rank's loss is multiplied by it (`loss_scale`).
+
+Single process is the default and the same code path with world size 1: every function here
+is then a no-op, so `breakpoint()` keeps working.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+
+from regen.errors import UserError
+
+_ACTIVE: Dist | None = None
+
+
+class Dist:
+    """The process group this run trains in: rank, world size and the collectives the loop needs."""
+
+    def __init__(self, strategy: str = "single", rank: int = 0, world: int = 1, side_group=None):
+        self.strategy, self.rank, self.world = strategy, rank, world
+        # A second (gloo) group for what runs in a background thread, such as scoring that overlaps
+        # the log-prob passes: collectives of two threads on one group would interleave and mismatch.
+        self.side_group = side_group
+
+    @property
+    def main(self) -> bool:
+        """Rank 0 writes the run directory (metrics, alerts, checkpoints, samples)."""
+        return self.rank == 0
+
+    @property
+    def on(self) -> bool:
+        return self.world > 1
+
+    @property
+    def loss_scale(self) -> float:
+        """DDP and FSDP2 average gradients over ranks; the ranks' loss shares must add up."""
+        return float(self.world)
+
+    # ------------------------------------------------------------------ rows
+
+    def my_rows(self, rows: torch.Tensor, unit: int = 1) -> torch.Tensor:
+        """This rank's contiguous share of `rows` (whole units of `unit` rows, e.g. groups)."""
+        if not self.on:
+            return rows
+        units = len(rows) // unit
+        if units % self.world:
+            raise UserError(f"{len(rows)} rows in units of {unit} cannot be split evenly over {self.world} processes")
+        per = len(rows) // self.world
+        return rows[self.rank * per : (self.rank + 1) * per]
+
+    # ------------------------------------------------------------ collectives
+
+    def barrier(self) -> None:
+        if self.on:
+            tdist.barrier()
+
+    def gather_objects(self, obj: Any, side: bool = False) -> list[Any]:
+        """Every rank's `obj`, in rank order, on every rank (pickled: small things only).
+        side: on the side group (from a background thread)."""
+        if not self.on:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        tdist.all_gather_object(out, obj, group=self.side_group if side else None)
+        return out
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank."""
+        if not self.on:
+            return obj
+        box = [obj]
+        tdist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def gather_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's rows (same shape on every rank) in rank order."""
+        if not self.on:
+            return t
+        parts = [torch.empty_like(t) for _ in range(self.world)]
+        tdist.all_gather(parts, t.contiguous())
+        return torch.cat(parts)
+
+    def sum_floats(self, values: dict[str, float]) -> dict[str, float]:
+        """Sum a dict of floats over ranks (same keys in the same order on every rank)."""
+        if not self.on or not values:
+            return values
+        keys = sorted(values)
+        t = torch.tensor([values[k] for k in keys], dtype=torch.float64)
+        tdist.all_reduce(t)
+        return dict(zip(keys, t.tolist(), strict=True))
+
+    def all_true(self, flag: bool) -> bool:
+        """True when `flag` holds on every rank: decisions that must not diverge (skip a step)."""
+        if not self.on:
+            return flag
+        t = torch.tensor([0.0 if flag else 1.0])
+        tdist.all_reduce(t)
+        return bool(t.item() == 0)
+
+    def any_true(self, flag: bool) -> bool:
+        return not self.all_true(not flag)
+
+    # -------------------------------------------------------------- models
+
+    def wrap(self, model: torch.nn.Module, trainable: bool = True) -> torch.nn.Module:
+        """The module the update runs through: DDP around `model`, or `model` itself sharded in
+        place by FSDP2 (its transformer blocks first, then the root, as torch recommends)."""
+        if not self.on:
+            return model
+        if self.strategy == "ddp":
+            if not trainable:
+                return model  # a frozen replica needs no gradient sync
+            from torch.nn.parallel import DistributedDataParallel
+
+            dev = next(model.parameters()).device
+            # buffers are constants here; broadcasting them would put a collective in every forward
+            return DistributedDataParallel(model, device_ids=[torch.cuda.current_device()] if dev.type == "cuda"
+                                           else None, broadcast_buffers=False)
+        from torch.distributed.fsdp import fully_shard
+
+        for block in _blocks(model):
+            fully_shard(block)
+        # reshard the root too: outside a forward, model.parameters() are then always the sharded
+        # ones the optimizer holds (FSDP2 keeps the root unsharded after forward by default)
+        fully_shard(model, reshard_after_forward=True)
+        return model
+
+    @property
+    def sharded(self) -> bool:
+        return self.on and self.strategy == "fsdp"
+
+    def full_model_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        """The whole (unsharded) state dict on CPU; collective under FSDP2 (call on every rank)."""
+        if not self.sharded:
+            return None
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def load_model_state(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+        """Load a whole state dict into `model` (sharding it under FSDP2)."""
+        if not self.sharded:
+            model.load_state_dict(state)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+
+    def full_optim_state(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict | None:
+        """The optimizer state in the single-process form (integer parameter ids in parameter
+        order), so checkpoints move freely between one process and FSDP2; collective."""
+        if not self.sharded:
+            return None
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        full = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if not self.main:
+            return None  # cpu_offload gathers on rank 0 only
+        ids, groups = {}, []
+        for g in full["param_groups"]:
+            ids.update({name: len(ids) + i for i, name in enumerate(g["params"])})
+            groups.append({**g, "params": [ids[name] for name in g["params"]]})
+        return {"state": {ids[name]: st for name, st in full["state"].items()}, "param_groups": groups}
+
+    def load_optim_state(self, model: torch.nn.Module, opt: torch.optim.Optimizer, state: dict) -> None:
+        """Load a single-process optimizer state dict (every rank reads it) into a sharded one."""
+        if not self.sharded:
+            opt.load_state_dict(state)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        names = {id(p): n for n, p in model.named_parameters()}
+        order = [names[id(p)] for g in opt.param_groups for p in g["params"]]
+        groups, start = [], 0
+        for g in state["param_groups"]:
+            groups.append({**g, "params": order[start : start + len(g["params"])]})
+            start += len(g["params"])
+        full = {"state": {order[int(i)]: st for i, st in state["state"].items()}, "param_groups": groups}
+        set_optimizer_state_dict(model, opt, full, options=StateDictOptions(full_state_dict=True))
+
+
+def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated layers of a transformers model (the first ModuleList found), FSDP2's units."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) > 1:
+            return list(module)
+    return []
+
+
+def launched_by_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def start(mode: str, strategy: str, backend: str, device: torch.device) -> Dist:
+    """Join the torchrun process group (mode torchrun, or auto under torchrun) or stay single."""
+    global _ACTIVE
+    if mode == "auto":
+        mode = "torchrun" if launched_by_torchrun() else "single"
+    if mode != "torchrun":
+        _ACTIVE = Dist()
+        return _ACTIVE
+    if "RANK" not in os.environ:
+        raise UserError("distributed.mode=torchrun: start the job with torchrun "
+                        "(torchrun --nproc_per_node N -m regen train CONFIG ...); RANK/WORLD_SIZE are not set")
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise UserError("distributed.backend=nccl needs CUDA devices; use gloo on CPU")
+    if not tdist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        tdist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+    _ACTIVE = Dist(strategy, tdist.get_rank(), tdist.get_world_size(), tdist.new_group(backend="gloo"))
+    return _ACTIVE
+
+
+def current() -> Dist:
+    """The run's Dist (single process until `start` joined a group)."""
+    return _ACTIVE or Dist()
+
+
+def stop() -> None:
+    global _ACTIVE
+    if tdist.is_initialized():
+        tdist.destroy_process_group()
+    _ACTIVE = None

@@ -1,0 +1,86 @@
+"""torchrun data parallelism on CPU (gloo, 2 processes): the same weights as one process with
+the same global batch, for DDP and FSDP2; checkpoints interchangeable with a single process."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from safetensors.torch import load_file
+
+from regen.cli import main
+from tests.conftest import read_jsonl
+from tests.test_train_e2e import ENDS_EVEN, FAST
+
+# 4 prompts x 4 samples per step, minibatches of 8 (2 per rank) and 2 epochs: shuffled minibatches,
+# a KL reference and several optimizer steps per batch all cross the rank boundary
+SETUP = [*FAST, ENDS_EVEN, "train.global_minibatch_size=8", "train.ppo_epochs=2", "algorithm.kl_coef=0.05",
+         "optim.lr=1e-3", "run.threads=1"]
+
+
+def torchrun(run, base, *extra, nproc=2):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "regen",
+           "train", f"model.path={base}", f"run.dir={run}", *SETUP, "distributed.mode=torchrun", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+
+
+def single(run, base, *extra):
+    return main(["train", f"model.path={base}", f"run.dir={run}", *SETUP, "distributed.mode=single", *extra])
+
+
+def assert_same_weights(a, b, start):
+    """The two runs' weights agree to float tolerance, measured against how far training moved
+    them: ||wa - wb|| < 1e-3 ||wb - w0||. (An elementwise bound would be wrong here: GPT-2's key
+    biases get a gradient that is zero up to rounding -- softmax ignores a constant shift -- and
+    Adam turns that rounding noise into full-size steps in either process.)"""
+    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    w0 = load_file(str(start / "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    diff = sum(((wa[k] - wb[k]) ** 2).sum() for k in wa) ** 0.5
+    moved = sum(((wb[k] - w0[k]) ** 2).sum() for k in wa) ** 0.5
+    assert moved > 1e-3 and diff < 1e-3 * moved, (float(diff), float(moved))
+
+
+@pytest.fixture(scope="module")
+def one_process(base_model, tmp_path_factory):
+    run = tmp_path_factory.mktemp("single") / "run"
+    assert single(run, base_model, "train.steps=3") == 0
+    return run
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_processes_train_the_same_weights_as_one(strategy, base_model, one_process, tmp_path):
+    run = tmp_path / strategy
+    out = torchrun(run, base_model, "train.steps=3", f"distributed.strategy={strategy}", "checkpoint.every=2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    # rank 0 alone wrote the run directory: one metrics row per step, the same rewards as one process
+    rows, ref = read_jsonl(run / "metrics.jsonl"), read_jsonl(one_process / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["reward/mean"] for r in rows] == [r["reward/mean"] for r in ref]
+    assert [r["response_length/mean"] for r in rows] == [r["response_length/mean"] for r in ref]
+    for key in ("loss", "kl", "grad_norm", "entropy"):
+        assert [r[key] for r in rows] == pytest.approx([r[key] for r in ref], rel=1e-4, abs=1e-6), key
+    assert ref[-1]["kl"] > 0 and ref[-1]["grad_norm"] > 0  # the weights really moved
+    assert_same_weights(run / "export", one_process / "export", base_model)
+    # the checkpoint is a single-process one (FSDP2 shards gathered): one process resumes it
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000002", "step_00000003"]
+    if strategy == "fsdp":  # one process continues from the FSDP2 run's step-2 checkpoint
+        shutil.rmtree(run / "checkpoints" / "step_00000003")
+        shutil.rmtree(run / "export")
+        assert single(run, base_model, "train.steps=3") == 0
+        assert_same_weights(run / "export", one_process / "export", base_model)
+
+
+def test_batches_that_do_not_split_over_the_ranks_are_refused(base_model, tmp_path):
+    # 3 prompts per step over 2 processes: refused before the run directory is touched
+    out = torchrun(tmp_path / "r", base_model, "rollout.global_batch_size=12", "train.global_minibatch_size=12")
+    assert out.returncode != 0
+    assert "3 prompts per step cannot be split evenly under torchrun with 2 processes" in out.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_torchrun_mode_outside_torchrun_is_a_clear_error(base_model, tmp_path, capsys):
+    assert single(tmp_path / "r", base_model, "distributed.mode=torchrun") == 2
+    assert "start the job with torchrun" in capsys.readouterr().err
