@@ -1,0 +1,225 @@
+"""`distributed.mode: ray`: the trainer runs the loop here; rollout and reward workers are Ray
+actors placed by `distributed.*_resources` (whole nodes, GPUs, or custom node labels).
+
+- Rollout: each step's groups are split over the rollout actors; each gets its prompts and
+  its slice of the step's uniforms (drawn here from the run's generator), so the batch is the
+  one a single process would sample with the same weights.
+- Sync: after each update the trainer's weights (for LoRA: the adapter's tensors only) go to
+  the object store once and every actor loads them, tagged with the version (= step). Ray runs
+  an actor's calls in order, so a sample call made after a sync sees the new weights.
+- Staleness: with `max_staleness` k >= 1 the next batch is requested before the update (it
+  overlaps the update); a batch whose oldest weights lag more than k versions is thrown away
+  and sampled again with the current ones.
+- Faults: a dead actor (killed, node lost) is replaced by a new one that gets the current
+  weights, and only its share of the step is requested again: no sample lost or counted twice.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from regen.data import EpochSampler, PromptItem
+from regen.errors import RunStopped, UserError
+from regen.policies.lm import LMRollout, concat_rollouts
+from regen.ray_workers import RewardWorker, RolloutWorker
+from regen.rollout import draw_uniforms, group_rows
+
+
+def start_ray(cfg) -> None:
+    """Join distributed.ray_address, or start a private Ray with room for every actor."""
+    try:
+        import ray
+    except ImportError:
+        raise UserError("distributed.mode=ray needs Ray: pip install 'regen[ray]'") from None
+    d = cfg.distributed
+    if ray.is_initialized():
+        return
+    if d.ray_address:
+        ray.init(address=d.ray_address, namespace="regen", log_to_driver=False)
+    else:
+        cpus = d.rollout_workers * d.rollout_resources.get("num_cpus", 1) + \
+            d.reward_workers * d.reward_resources.get("num_cpus", 1)
+        ray.init(num_cpus=max(int(cpus + 0.999), os.cpu_count() or 1), include_dashboard=False, namespace="regen",
+                 log_to_driver=False, configure_logging=False)
+    have, need = ray.cluster_resources(), {}
+    for count, res in ((d.rollout_workers, d.rollout_resources), (d.reward_workers, d.reward_resources)):
+        for k, v in res.items():
+            key = {"num_cpus": "CPU", "num_gpus": "GPU"}.get(k, k)
+            need[key] = need.get(key, 0) + count * v
+    short = [f"{k}: need {v:g}, the cluster has {have.get(k, 0):g}" for k, v in need.items() if v > have.get(k, 0)]
+    if short:
+        raise UserError("distributed: the Ray cluster cannot place the rollout and reward workers (" + "; ".join(short)
+                        + "); lower distributed.rollout_workers / reward_workers or their resources")
+
+
+class ActorGroup:
+    """k actors of one class; calls are retried on a replacement when an actor has died."""
+
+    def __init__(self, cls, k: int, resources: dict, args: tuple, name: str, max_restarts: int, on_new=None):
+        import ray
+
+        opts = {"num_cpus": resources.get("num_cpus", 1), "num_gpus": resources.get("num_gpus", 0),
+                "resources": {k: v for k, v in resources.items() if k not in ("num_cpus", "num_gpus")} or None}
+        self.remote, self.opts, self.args, self.name = ray.remote(cls), opts, args, name
+        self.max_restarts, self.on_new = max_restarts, on_new  # on_new(actor): bring a new actor up to date
+        self.generation, self.restarts = 0, 0
+        self.actors = [self._spawn(i) for i in range(k)]
+        ray.get([a.ready.remote() for a in self.actors])
+
+    def _spawn(self, i: int):
+        return self.remote.options(name=f"{self.name}-{i}-g{self.generation}", **self.opts).remote(*self.args)
+
+    def call(self, i: int, method: str, *args):
+        return getattr(self.actors[i], method).remote(*args)
+
+    def get(self, refs: list, method: str, args: list[tuple]) -> list:
+        """Results of refs[i] (a call of `method` with args[i] on actor i), in order; an actor
+        that died is replaced and its call made again on the new one."""
+        import ray
+        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+        out, tries = [], 0
+        for i, ref in enumerate(refs):
+            while True:
+                try:
+                    out.append(ray.get(ref))
+                    break
+                except (RayActorError, ActorDiedError, ActorUnavailableError) as e:
+                    tries += 1
+                    self.restarts += 1
+                    if tries > self.max_restarts:
+                        raise RunStopped(f"{self.name} actors died {tries} times in one step (last: "
+                                         f"{type(e).__name__}); see distributed.max_restarts") from None
+                    self.generation += 1
+                    self.actors[i] = self._spawn(i)
+                    if self.on_new is not None:
+                        self.on_new(self.actors[i])
+                    ref = self.call(i, method, *args[i])
+        return out
+
+    def close(self) -> None:
+        import ray
+
+        for a in self.actors:
+            ray.kill(a)
+
+
+class RayRollouts:
+    """The rollout side of the loop (see regen/rollout.py for the interface)."""
+
+    def __init__(self, policy, data: EpochSampler, prompts: list[PromptItem], cfg, version: int):
+        import ray
+
+        start_ray(cfg)
+        d = cfg.distributed
+        self.data, self.prompts, self.cfg, self.pad_id = data, prompts, cfg, policy.pad_id
+        self.bound, self.version = d.max_staleness, version
+        self.workers = ActorGroup(RolloutWorker, d.rollout_workers, d.rollout_resources,
+                                  (cfg.model_dump(mode="json"), d.actor_threads), "regen-rollout", d.max_restarts,
+                                  on_new=lambda a: ray.get(a.load_weights.remote(self._weights, self.version)))
+        self._weights = None
+        self._ahead = None  # (items, uniforms, refs, data and generator state before them)
+        self._lag = self.discarded = 0
+        self.sync(policy, version)
+
+    # -------------------------------------------------------------- loop API
+
+    def next(self, gen: torch.Generator) -> tuple[list[PromptItem], LMRollout]:
+        ahead, self._ahead = self._ahead, None
+        items, u, refs, _ = ahead if ahead is not None else self._submit(gen)
+        batch = self._collect(items, u, refs)
+        if self.version - int(batch.version.min()) > self.bound:  # too stale: sample again, current weights
+            self.discarded += 1
+            batch = self._collect(items, u, self._requests(items, u))
+        self._lag = self.version - int(batch.version.min())
+        if self.bound >= 1:  # the next batch overlaps this step's update (at most one version behind)
+            self._ahead = self._submit(gen)
+        return items, batch
+
+    def sync(self, policy, step: int) -> dict[str, float]:
+        import ray
+
+        t0 = time.perf_counter()
+        model = policy.model
+        state = {k: v.detach().to("cpu") for k, v in model.state_dict().items()
+                 if not policy.is_lora or "lora_" in k}  # LoRA: only the adapter changes
+        self._weights, self.version = ray.put(state), step
+        for i in range(len(self.workers.actors)):  # not awaited: each actor applies it before its next sample
+            self.workers.call(i, "load_weights", self._weights, step)
+        return {"sync/s": time.perf_counter() - t0, "sync/mb": sum(v.numel() * v.element_size()
+                                                                   for v in state.values()) / 1e6}
+
+    def stats(self) -> dict[str, float]:
+        return {"rollout/staleness": float(self._lag), "rollout/worker_restarts": float(self.workers.restarts),
+                "rollout/stale_discarded": float(self.discarded)}
+
+    def discard_prefetch(self) -> None:
+        """Forget a batch requested ahead, and rewind the prompts and randomness it took, so a
+        checkpoint written now resumes exactly where the loop is (it samples that batch again)."""
+        if self._ahead is not None:
+            data_state, gen, gen_state = self._ahead[3]
+            self.data.load_state(data_state)
+            gen.set_state(gen_state)
+            self._ahead = None
+
+    def close(self) -> None:
+        self.workers.close()
+
+    # -------------------------------------------------------------- helpers
+
+    def _submit(self, gen: torch.Generator):
+        before = (self.data.state(), gen, gen.get_state())
+        items = [self.prompts[i] for i in self.data.take(self.cfg.prompts_per_step)]
+        u = draw_uniforms(self.cfg, gen).cpu()
+        return items, u, self._requests(items, u), before
+
+    def _shares(self, items, u) -> list[tuple]:
+        n = self.cfg.rollout.group_size
+        shares = torch.arange(len(items)).tensor_split(len(self.workers.actors))
+        return [([items[g].prompt for g in s.tolist()], n, u[group_rows(s, n)]) for s in shares]
+
+    def _requests(self, items, u) -> list:
+        return [self.workers.call(i, "sample", *args) if args[0] else None
+                for i, args in enumerate(self._shares(items, u))]
+
+    def _collect(self, items, u, refs) -> LMRollout:
+        shares = self._shares(items, u)
+        live = [i for i, r in enumerate(refs) if r is not None]
+        parts = self.workers.get([refs[i] for i in live], "sample", [shares[i] for i in live])
+        return concat_rollouts(parts, self.pad_id)
+
+
+class RayReward:
+    """The run's reward terms on reward actors; a drop-in for CombinedReward."""
+
+    def __init__(self, cfg):
+        start_ray(cfg)
+        d = cfg.distributed
+        self.workers = ActorGroup(RewardWorker, d.reward_workers, d.reward_resources,
+                                  (cfg.model_dump(mode="json"), d.actor_threads), "regen-reward", d.max_restarts)
+
+    def __call__(self, samples: list) -> tuple[list[float], dict[str, list[float]]]:
+        shares = [(list(s),) for s in _split(samples, len(self.workers.actors))]
+        refs = [self.workers.call(i, "score", *args) for i, args in enumerate(shares)]
+        results = self.workers.get(refs, "score", shares)
+        total = [x for t, _ in results for x in t]
+        return total, {k: [x for _, p in results for x in p[k]] for k in results[0][1]}
+
+    def versions(self) -> dict[str, str]:
+        import ray
+
+        return ray.get(self.workers.call(0, "versions"))
+
+    def stats(self) -> dict[str, float]:
+        return {"reward/worker_restarts": float(self.workers.restarts)}
+
+    def close(self) -> None:
+        self.workers.close()
+
+
+def _split(xs: list, k: int) -> list[list]:
+    idx = torch.arange(len(xs)).tensor_split(k)
+    return [[xs[i] for i in part.tolist()] for part in idx]

@@ -1,0 +1,88 @@
+"""`rollout.engine: vllm`: language-model sampling by vLLM in the trainer's process (colocated),
+imported only when asked for. Nothing in the tests needs vLLM; it needs a CUDA GPU.
+
+vLLM draws its own random numbers, so the rows are not the ones regen's own sampler would
+draw from the step's uniforms: each request gets a seed taken from them instead (runs stay
+reproducible for a fixed vLLM version). The log-probs that enter the loss are recomputed by
+the trained model as always, so vLLM's numerics never reach the gradient; only which tokens
+were sampled comes from vLLM. After every update the weights are loaded into vLLM's model in
+place (LoRA: merged first). `gpu_memory_utilization` leaves room for training on the same GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from regen.errors import UserError
+from regen.policies.lm import LMRollout
+
+
+class VLLMEngine:
+    def __init__(self, cfg, policy, gpu_memory_utilization: float = 0.3):
+        try:
+            import vllm
+        except ImportError:
+            raise UserError("rollout.engine=vllm: vLLM is not installed (pip install 'regen[vllm]' in a CUDA "
+                            "environment), or use rollout.engine=hf") from None
+        if not torch.cuda.is_available():
+            raise UserError("rollout.engine=vllm needs a CUDA GPU; use rollout.engine=hf on CPU")
+        source = cfg.model.path
+        if source is None:
+            raise UserError("rollout.engine=vllm needs model.path (a Hugging Face folder or hub id vLLM can load)")
+        self.vllm, self.cfg, self.policy = vllm, cfg, policy
+        self.pad_id, self.eos_id = policy.pad_id, policy.eos_id
+        self.llm = vllm.LLM(model=source, dtype={"float32": "float32", "bfloat16": "bfloat16",
+                                                 "float16": "float16"}[cfg.model.dtype],
+                            gpu_memory_utilization=gpu_memory_utilization, seed=cfg.run.seed,
+                            enable_prefix_caching=True)  # a group's n samples share their prompt
+        self.load_weights(policy, 0)
+
+    def sample(self, prompts: list[str], n: int, temperature: float, top_p: float, max_new_tokens: int,
+               generator=None, greedy: bool = False, uniforms: torch.Tensor | None = None) -> LMRollout:
+        seeds = [0] * len(prompts) if uniforms is None else \
+            (uniforms[::n, 0].double() * 2**31).long().tolist()  # one seed per group from its uniforms
+        params = [self.vllm.SamplingParams(n=n, temperature=0.0 if greedy else temperature, top_p=top_p,
+                                           max_tokens=max_new_tokens, seed=s) for s in seeds]
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        prompt_ids = [list(o.prompt_token_ids) for o in outs for _ in range(n)]
+        responses = [list(c.token_ids) for o in outs for c in o.outputs]
+        return build_rollout(prompt_ids, responses, [c.text for o in outs for c in o.outputs], self.pad_id,
+                             self.eos_id, self.policy.device)
+
+    def load_weights(self, policy, step: int) -> dict[str, float]:
+        """Copy the trained weights into vLLM's model (the in-process path TRL's colocate mode uses)."""
+        model = copy.deepcopy(policy.model).merge_and_unload() if policy.is_lora else policy.model
+        try:
+            target = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
+        except AttributeError:
+            raise UserError("rollout.engine=vllm: this vLLM version does not expose its model in-process "
+                            "(llm_engine.model_executor.driver_worker); pin a vLLM that does, or use the hf engine"
+                            ) from None
+        target.load_weights(model.state_dict().items())
+        self.llm.reset_prefix_cache()  # cached prompt states were computed with the old weights
+        return {}
+
+
+def build_rollout(prompt_ids: list[list[int]], responses: list[list[int]], texts: list[str], pad_id: int,
+                  eos_id: int, device) -> LMRollout:
+    """An LMRollout from token lists: prompts left-padded, responses right-padded, the mask
+    covering each response up to and including its first EOS."""
+    P = max(len(p) for p in prompt_ids)
+    T = max(1, max(len(r) for r in responses))
+    B = len(responses)
+    ids = torch.full((B, P + T), pad_id, dtype=torch.long)
+    att = torch.zeros(B, P + T, dtype=torch.long)
+    resp_mask = torch.zeros(B, T)
+    finished = torch.zeros(B, dtype=torch.bool)
+    for i, (p, r) in enumerate(zip(prompt_ids, responses, strict=True)):
+        ids[i, P - len(p) : P] = torch.tensor(p, dtype=torch.long)
+        att[i, P - len(p) : P] = 1
+        if eos_id in r:
+            r, finished[i] = r[: r.index(eos_id) + 1], True
+        if r:
+            ids[i, P : P + len(r)] = torch.tensor(r, dtype=torch.long)
+            att[i, P : P + len(r)] = 1
+            resp_mask[i, : len(r)] = 1.0
+    return LMRollout(ids.to(device), att.to(device), resp_mask.to(device), finished.to(device), P, texts)

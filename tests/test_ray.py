@@ -1,0 +1,100 @@
+"""distributed.mode=ray on a private local Ray: 2 rollout actors, 1 reward actor and the trainer."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from regen.cli import main
+from tests.conftest import read_jsonl
+
+ray = pytest.importorskip("ray")
+
+# the learnable reward of test_train_e2e.test_grpo_raises_a_learnable_reward: first character not "1"
+LEARN = ["log.progress=none", "data.eval=null", "rollout.global_batch_size=32", "rollout.group_size=8",
+         "rollout.max_new_tokens=4", "train.steps=30", "optim.lr=3e-4", "run.threads=1",
+         "reward=[{name: format, args: {pattern: '[02-9].*', require_eos: false}}]"]
+RAY = ["distributed.mode=ray", "distributed.rollout_workers=2", "distributed.reward_workers=1"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def private_ray():
+    yield
+    ray.shutdown()
+
+
+def kill_when(run, rows: int, name: str, killed: list):
+    """Kill actor `name` once the run has logged `rows` steps (from a thread: mid-run)."""
+    def watch():
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            path = run / "metrics.jsonl"
+            if path.exists() and len(path.read_text().splitlines()) >= rows:
+                ray.kill(ray.get_actor(name, namespace="regen"))
+                killed.append(name)
+                return
+            time.sleep(0.05)
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    return t
+
+
+def test_disaggregated_run_learns_and_survives_a_killed_rollout_actor(base_model, tmp_path):
+    single, spread = tmp_path / "single", tmp_path / "ray"
+    assert main(["train", f"model.path={base_model}", f"run.dir={single}", *LEARN]) == 0
+    killed: list = []
+    watcher = kill_when(spread, 5, "regen-rollout-0-g0", killed)
+    assert main(["train", f"model.path={base_model}", f"run.dir={spread}", *LEARN, *RAY]) == 0
+    watcher.join(1)
+    assert killed == ["regen-rollout-0-g0"]
+    rows, ref = read_jsonl(spread / "metrics.jsonl"), read_jsonl(single / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 31))
+    assert rows[-1]["rollout/worker_restarts"] >= 1  # the dead actor was replaced...
+    # ...and its share sampled again with the same weights and uniforms: every step's batch is the one
+    # a single process samples (a lost or doubled group would change the rewards from that step on)
+    assert [r["reward/mean"] for r in rows] == [r["reward/mean"] for r in ref]
+    assert [r["response_length/mean"] for r in rows] == [r["response_length/mean"] for r in ref]
+    assert all(r["rollout/staleness"] == 0 for r in rows)  # max_staleness=0: always the newest weights
+    first, last = sum(r["reward/mean"] for r in rows[:5]) / 5, sum(r["reward/mean"] for r in rows[-5:]) / 5
+    assert last > first + 0.3, (first, last)  # it learns the task
+
+
+def test_one_step_off_policy_never_exceeds_the_bound(base_model, tmp_path):
+    run = tmp_path / "async"
+    assert main(["train", f"model.path={base_model}", f"run.dir={run}", *LEARN, *RAY, "train.steps=6",
+                 "distributed.max_staleness=1", "checkpoint.every=3"]) == 0
+    lags = [r["rollout/staleness"] for r in read_jsonl(run / "metrics.jsonl")]
+    # step 1 and the step after a checkpoint (the batch sampled ahead is dropped at a checkpoint so
+    # the saved state resumes exactly) use current weights; the others were sampled during the update
+    assert lags == [0, 1, 1, 0, 1, 1]
+
+
+def test_a_batch_staler_than_the_bound_is_sampled_again(base_model, tmp_path):
+    from regen.config import RLConfig, load_config
+    from regen.data import EpochSampler, load_prompts
+    from regen.policies.lm import LMPolicy, load_model_and_tokenizer
+    from regen.ray_rollout import RayRollouts
+
+    cfg = load_config(RLConfig, None, [f"model.path={base_model}", *LEARN, *RAY, "distributed.max_staleness=1"])
+    model, tok = load_model_and_tokenizer(cfg.model, cfg.task, 0)
+    policy = LMPolicy(model, tok, torch.device("cpu"))
+    prompts = load_prompts(cfg.data.train, cfg.task, "data.train", False, cfg.data.columns)
+    pool = RayRollouts(policy, EpochSampler(len(prompts), 0), prompts, cfg, version=0)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        _, first = pool.next(gen)  # version 0; the next batch is requested now, with version 0
+        assert first.version.tolist() == [0] * 32
+        pool.sync(policy, 1)
+        pool.sync(policy, 2)  # the trainer moved two versions on: the batch sampled ahead lags 2 > 1
+        items, batch = pool.next(gen)
+        assert pool.discarded == 1 and batch.version.tolist() == [2] * 32
+        assert len(items) == 4 and len(batch.completions) == 32
+    finally:
+        pool.close()
+
+
+def test_flow_models_are_refused_outside_one_process(flow_base, tmp_path, capsys):
+    assert main(["train", f"model.path={flow_base}", f"run.dir={tmp_path / 'r'}", "algorithm.name=nft",
+                 "distributed.mode=ray"]) == 2
+    assert "language-model RL only for now; flow models train in one process" in capsys.readouterr().err

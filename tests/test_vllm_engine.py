@@ -1,0 +1,40 @@
+"""rollout.engine=vllm without vLLM (never installed in CI): a clear error; and the conversion of
+vLLM's token lists into a rollout, checked against regen's own sampler's rollout."""
+
+import torch
+
+from regen.cli import main
+from regen.config import ModelConfig, TaskConfig
+from regen.policies.lm import LMPolicy, load_model_and_tokenizer
+from regen.vllm_engine import build_rollout
+
+
+def test_vllm_engine_missing_is_a_clear_error(base_model, tmp_path, capsys):
+    assert main(["train", f"model.path={base_model}", f"run.dir={tmp_path / 'r'}", "rollout.engine=vllm",
+                 "log.progress=none"]) == 2
+    err = capsys.readouterr().err
+    assert "rollout.engine=vllm" in err and ("not installed" in err or "CUDA" in err)
+    assert not (tmp_path / "r" / "checkpoints").exists()
+
+
+def test_token_lists_become_the_rollout_regens_sampler_builds(base_model):
+    model, tok = load_model_and_tokenizer(ModelConfig(path=str(base_model)), TaskConfig(), 0)
+    policy = LMPolicy(model, tok, torch.device("cpu"))
+    prompts = ["7+5=", "13+58=", "0+0="]
+    ro = policy.sample(prompts, 2, 1.0, 1.0, 3, torch.Generator().manual_seed(0))
+    # what vLLM hands back: unpadded prompt ids, and generated ids (EOS included when it stopped)
+    prompt_ids = [tok(p)["input_ids"] for p in prompts for _ in range(2)]
+    responses = [ro.response_ids[i][ro.response_mask[i].bool()].tolist() for i in range(6)]
+    assert any(ro.finished) and not all(ro.finished)  # both kinds of rows are checked
+    built = build_rollout(prompt_ids, responses, ro.completions, policy.pad_id, policy.eos_id, policy.device)
+    T = built.response_ids.shape[1]
+    assert built.prompt_width == ro.prompt_width
+    assert torch.equal(built.input_ids, ro.input_ids[:, : ro.prompt_width + T])
+    assert torch.equal(built.attention_mask, ro.attention_mask[:, : ro.prompt_width + T])
+    assert torch.equal(built.response_mask, ro.response_mask[:, :T]) and ro.response_mask[:, T:].sum() == 0
+    assert torch.equal(built.finished, ro.finished)
+    # and the trained model scores the built rollout exactly as its own
+    lp_built, _ = policy.token_logprobs(built, 1.0)
+    lp_own, _ = policy.token_logprobs(ro, 1.0)
+    m = built.response_mask.bool()
+    torch.testing.assert_close(lp_built[m], lp_own[:, :T][m])
