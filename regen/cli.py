@@ -50,10 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
 
     _config_verb(
-        sub, "train", "Online RL (GRPO) of a causal language model.",
+        sub, "train", "Online RL of a language model (GRPO, PPO, ...) or a flow-matching model.",
         "Sample a group of completions per prompt, score them with the configured rewards, compute\n"
-        "group-relative advantages and update the policy with the clipped GRPO loss. Writes\n"
-        "config.yaml, metrics.jsonl, TensorBoard events, checkpoints/ and export/ into run.dir.",
+        "advantages and update the policy (algorithm.name: GRPO by default). Writes config.yaml,\n"
+        "metrics.jsonl, TensorBoard events, checkpoints/ and export/ into run.dir.\n"
+        "Several GPUs / nodes: start it with `torchrun --nproc_per_node N -m regen train ...` (data\n"
+        "parallel, distributed.strategy=ddp|fsdp) or set distributed.mode=ray (rollout and reward\n"
+        "workers as Ray actors); see docs/deployment.md.",
     )
     _config_verb(
         sub, "sft", "Supervised fine-tuning on prompt/completion demonstrations.",

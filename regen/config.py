@@ -97,6 +97,10 @@ class RolloutConfig(Section):
         "hf", description="Language-model sampling engine: 'hf' (regen's KV-cached loop over the transformers "
         "model) or 'vllm' (needs `pip install vllm` and a GPU; weights are pushed to it after every update)."
     )
+    vllm_memory: float = Field(
+        0.3, gt=0.0, lt=1.0, description="rollout.engine=vllm: share of the GPU's memory vLLM may take (the rest "
+        "is for training on the same GPU)."
+    )
 
 
 class OverlongConfig(Section):

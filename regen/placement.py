@@ -65,9 +65,6 @@ def check_placement(cfg: RLConfig, d: rdist.Dist) -> None:
                         f"{where}: make it a multiple of {W}")
     if mb % W:
         raise UserError(f"train.global_minibatch_size={mb} cannot be split evenly {where}")
-    if cfg.algorithm.advantage == "gae":
-        raise UserError(f"algorithm.name=ppo {where}: the critic is not data parallel yet; use grpo / gspo / "
-                        "dapo-style settings, or run PPO in one process")
     if d.sharded and cfg.model.lora is not None:
         raise UserError("distributed.strategy=fsdp with model.lora: a LoRA adapter is small enough to replicate; "
                         "use distributed.strategy=ddp")

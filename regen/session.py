@@ -93,7 +93,7 @@ class Session(RunBooks):
         policy.model.eval()  # dropout off: sampling and training see the same function (ratio 1 on-policy)
         data_parallel(policy, d)
         opt = make_optimizer(policy.model, cfg.optim)
-        critic, critic_opt = _load_critic(cfg, device, state, alerts)
+        critic, critic_opt = _load_critic(cfg, device, state, alerts, d)
         data = EpochSampler(len(prompts), cfg.run.seed)
         gen = torch.Generator(device=device).manual_seed(cfg.run.seed)
         health = HealthMonitor(cfg.health, alerts)
@@ -120,10 +120,12 @@ class Session(RunBooks):
         d = self.dist
         self.rollout.discard_prefetch()  # a batch sampled ahead is not part of the saved state
         weights, opt_state = d.full_model_state(self.policy.model), d.full_optim_state(self.policy.model, self.opt)
+        critic = None if self.critic is None else \
+            (d.full_model_state(self.critic.model), d.full_optim_state(self.critic.model, self.critic_opt))
         folder = None
         if d.main:
             folder = save_run_checkpoint(
-                self, step, None if self.critic is None else self._save_critic,
+                self, step, None if critic is None else lambda f: self._save_critic(f, *critic),
                 save_model=None if weights is None else lambda f: self.policy.save_pretrained(f, weights),
                 opt_state=opt_state)
             if folder is not None and self.mirror is not None:
@@ -142,9 +144,10 @@ class Session(RunBooks):
                 self.mirror.submit_export(self.run_dir / "export")
         self.dist.barrier()
 
-    def _save_critic(self, folder: Path) -> None:
-        self.critic.save_pretrained(folder / "critic")
-        ckpt.save_optimizer(self.critic_opt, folder, "critic_optimizer")
+    def _save_critic(self, folder: Path, weights: dict | None, opt_state: dict | None) -> None:
+        """The critic and its optimizer (weights / opt_state: gathered from FSDP2 shards)."""
+        self.critic.save_pretrained(folder / "critic", weights)
+        ckpt.save_optimizer(self.critic_opt if opt_state is None else _Gathered(opt_state), folder, "critic_optimizer")
 
     def rollback(self, step: int) -> None:
         """Return the weights and optimizer to the last healthy checkpoint (or the starting
@@ -160,10 +163,10 @@ class Session(RunBooks):
         if self.critic is not None:  # the critic goes back to the same point as the policy
             state = None if folder is None else {"folder": folder}
             critic, critic_opt = _load_critic(self.cfg, self.critic.device, state, self.alerts)
-            self.critic.model.load_state_dict(critic.model.state_dict())
+            self.dist.load_model_state(self.critic.model, critic.model.state_dict())
             self.critic_opt.state.clear()
             if folder is not None:
-                self.critic_opt.load_state_dict(critic_opt.state_dict())
+                self.dist.load_optim_state(self.critic.model, self.critic_opt, critic_opt.state_dict())
         self.rollout.discard_prefetch()  # sampled with the weights being abandoned
         self.rollout.sync(self.policy, step)  # rollout workers / engine get the restored weights
         end_rollback(self, step, folder)
@@ -283,19 +286,27 @@ def _load_policy_model(cfg: RLConfig, state: dict | None):
     return model, tok, reference
 
 
-def _load_critic(cfg: RLConfig, device, state: dict | None, alerts: Alerts):
-    """PPO's critic and its optimizer: from the checkpoint being resumed, else fresh."""
+def _load_critic(cfg: RLConfig, device, state: dict | None, alerts: Alerts, d: rdist.Dist | None = None):
+    """PPO's critic and its optimizer: from the checkpoint being resumed, else fresh; under
+    torchrun (d) data parallel like the policy (DDP, or sharded by FSDP2 before its optimizer
+    is made)."""
     if cfg.algorithm.advantage != "gae":
         return None, None
     folder = None if state is None else state["folder"] / "critic"
     if folder is not None and not folder.is_dir():
         alerts.fire(-1, "critic_missing", f"checkpoint {state['folder'].name} holds no critic: starting a new one")
         folder = None
-    critic = Critic.load(cfg, device, folder)
+    critic, d = Critic.load(cfg, device, folder), d or rdist.Dist()
+    if d.on:
+        critic.dist = d
+        if d.sharded:
+            d.wrap(critic.model)
+        else:
+            critic.forward_model = d.wrap(critic.model)
     opt = make_optimizer(critic.model, cfg.optim.model_copy(update={"lr": cfg.critic.lr}))
     saved = None if folder is None else ckpt.load_optimizer(state["folder"], "critic_optimizer")
     if saved is not None:
-        opt.load_state_dict(saved)
+        d.load_optim_state(critic.model, opt, saved)
     return critic, opt
 
 

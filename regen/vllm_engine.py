@@ -6,7 +6,7 @@ draw from the step's uniforms: each request gets a seed taken from them instead 
 reproducible for a fixed vLLM version). The log-probs that enter the loss are recomputed by
 the trained model as always, so vLLM's numerics never reach the gradient; only which tokens
 were sampled comes from vLLM. After every update the weights are loaded into vLLM's model in
-place (LoRA: merged first). `gpu_memory_utilization` leaves room for training on the same GPU.
+place (LoRA: merged first). `rollout.vllm_memory` leaves room for training on the same GPU.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from regen.policies.lm import LMRollout
 
 
 class VLLMEngine:
-    def __init__(self, cfg, policy, gpu_memory_utilization: float = 0.3):
+    def __init__(self, cfg, policy):
         try:
             import vllm
         except ImportError:
@@ -35,7 +35,7 @@ class VLLMEngine:
         self.pad_id, self.eos_id = policy.pad_id, policy.eos_id
         self.llm = vllm.LLM(model=source, dtype={"float32": "float32", "bfloat16": "bfloat16",
                                                  "float16": "float16"}[cfg.model.dtype],
-                            gpu_memory_utilization=gpu_memory_utilization, seed=cfg.run.seed,
+                            gpu_memory_utilization=cfg.rollout.vllm_memory, seed=cfg.run.seed,
                             enable_prefix_caching=True)  # a group's n samples share their prompt
         self.load_weights(policy, 0)
 

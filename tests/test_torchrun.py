@@ -84,3 +84,21 @@ def test_batches_that_do_not_split_over_the_ranks_are_refused(base_model, tmp_pa
 def test_torchrun_mode_outside_torchrun_is_a_clear_error(base_model, tmp_path, capsys):
     assert single(tmp_path / "r", base_model, "distributed.mode=torchrun") == 2
     assert "start the job with torchrun" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_ppo_critic_is_data_parallel_too(strategy, base_model, tmp_path):
+    ppo = ["algorithm.name=ppo", "critic.lr=1e-3", "train.steps=2"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert single(one, base_model, *ppo) == 0
+    out = torchrun(two, base_model, *ppo, f"distributed.strategy={strategy}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows, ref = read_jsonl(two / "metrics.jsonl"), read_jsonl(one / "metrics.jsonl")
+    assert [r["reward/mean"] for r in rows] == [r["reward/mean"] for r in ref]
+    for key in ("loss", "critic/value_loss", "critic/grad_norm", "critic/explained_var"):
+        assert [r[key] for r in rows] == pytest.approx([r[key] for r in ref], rel=1e-4, abs=1e-6), key
+    assert_same_weights(two / "export", one / "export", base_model)
+    c2, c1 = (load_file(str(p / "checkpoints" / "step_00000002" / "critic" / "model.safetensors")) for p in (two, one))
+    assert c1.keys() == c2.keys()
+    diff = sum(((c1[k] - c2[k]) ** 2).sum() for k in c1) ** 0.5
+    assert diff < 1e-4 * sum((c1[k] ** 2).sum() for k in c1) ** 0.5

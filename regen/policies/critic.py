@@ -17,12 +17,15 @@ from regen.algorithms.gae import value_loss
 from regen.algorithms.losses import batch_denominators
 from regen.errors import UserError
 from regen.policies.lm import LMRollout
+from regen.runtime.dist import Dist
 
 
 class Critic:
     def __init__(self, model, device: torch.device):
         self.model = model.to(device).eval()  # dropout off, as for the policy
         self.device = device
+        # torchrun (regen/runtime/dist.py): forwards go through the DDP wrapper when there is one
+        self.forward_model, self.dist = self.model, Dist()
 
     @classmethod
     def load(cls, cfg, device: torch.device, folder: Path | None = None) -> Critic:
@@ -55,35 +58,42 @@ class Critic:
     def values(self, batch: LMRollout) -> torch.Tensor:
         """V (B, T) of the state before each response token: read at the position whose logits
         predict that token, so V_t scores (prompt, response[:t])."""
-        out = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+        out = self.forward_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                          position_ids=batch.position_ids)
         return out.logits[:, batch.prompt_width - 1 : -1, 0].float()
 
     @torch.no_grad()
     def values_in_chunks(self, batch: LMRollout, chunk: int) -> torch.Tensor:
-        return torch.cat([self.values(batch.select(i)) for i in torch.arange(len(batch.completions)).split(chunk)])
+        """V (B, T) of the whole batch; under torchrun each rank computes its share of the rows."""
+        d = self.dist
+        rows = d.my_rows(torch.arange(len(batch.completions)))
+        return d.gather_rows(torch.cat([self.values(batch.select(i)) for i in rows.split(max(chunk // d.world, 1))]))
 
     def train_minibatch(
         self, opt, batch: LMRollout, idx: torch.Tensor, micro: int, old_values: torch.Tensor,
         returns: torch.Tensor, mask: torch.Tensor, clip: float | None, agg: str, norm: float, grad_clip: float,
     ) -> dict[str, float]:
         """One optimizer step on the minibatch `idx`, accumulated over micro-batches (same
-        denominators as the whole minibatch, so the loss is exactly the minibatch's)."""
+        denominators as the whole minibatch, so the loss is exactly the minibatch's); under
+        torchrun each rank takes its share of the rows, as the policy's update does."""
+        d = self.dist
         denoms = batch_denominators(mask[idx])
         opt.zero_grad(set_to_none=True)
         out: dict[str, float] = {}
-        for part in idx.split(micro):
+        for part in d.my_rows(idx).split(micro):
             v = self.values(batch.select(part))
             loss, m = value_loss(v, old_values[part], returns[part], mask[part], clip, agg, norm, denoms)
-            if not torch.isfinite(loss):
+            if not d.all_true(bool(torch.isfinite(loss))):
                 opt.zero_grad(set_to_none=True)
                 return {"critic/nonfinite_skipped": 1.0}
-            loss.backward()
+            (loss * d.loss_scale).backward()
             w = len(part) / len(idx)
             for k, val in m.items():
                 out[f"critic/{k}"] = out.get(f"critic/{k}", 0.0) + (1.0 if k == "value_loss" else w) * float(val)
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        out = d.sum_floats(out)
+        params = [p for g in opt.param_groups for p in g["params"]]  # FSDP2: the sharded ones
         norm_ = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+        norm_ = norm_.full_tensor() if hasattr(norm_, "full_tensor") else norm_
         if not torch.isfinite(norm_):
             opt.zero_grad(set_to_none=True)
             return {"critic/nonfinite_skipped": 1.0}
@@ -91,6 +101,7 @@ class Critic:
         out["critic/grad_norm"] = float(norm_)
         return out
 
-    def save_pretrained(self, folder: Path) -> None:
+    def save_pretrained(self, folder: Path, state_dict: dict | None = None) -> None:
+        """state_dict: the gathered weights of a sharded (FSDP2) critic."""
         folder.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(folder, safe_serialization=True)
+        self.model.save_pretrained(folder, safe_serialization=True, state_dict=state_dict)
