@@ -13,6 +13,16 @@ from regen.cli import main
 torch.set_num_threads(2)
 
 
+@pytest.fixture(autouse=True)
+def _keep_torch_threads():
+    """A run with run.threads=N sets the whole process's thread count: put it back, so tests
+    that compare an in-process run with a subprocess one (same thread count) do not depend on
+    which test ran before."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def base_model(tmp_path_factory) -> Path:
     """A character-level GPT-2 after a short SFT (exported Hugging Face folder)."""

@@ -96,8 +96,8 @@ def test_ppo_rollback_restores_policy_and_critic(base_model, tmp_path, monkeypat
     restored = []
     real = regen.session._load_critic
 
-    def spy(cfg, device, state, alerts):
-        out = real(cfg, device, state, alerts)
+    def spy(cfg, device, state, alerts, *rest):
+        out = real(cfg, device, state, alerts, *rest)
         restored.append(None if state is None else state["folder"].name)
         return out
 

@@ -44,13 +44,14 @@ def test_disaggregated_run_learns_and_survives_a_killed_rollout_actor(base_model
     single, spread = tmp_path / "single", tmp_path / "ray"
     assert main(["train", f"model.path={base_model}", f"run.dir={single}", *LEARN]) == 0
     killed: list = []
-    watcher = kill_when(spread, 5, "regen-rollout-0-g0", killed)
+    watchers = [kill_when(spread, 5, "regen-rollout-0-g0", killed), kill_when(spread, 12, "regen-reward-0-g0", killed)]
     assert main(["train", f"model.path={base_model}", f"run.dir={spread}", *LEARN, *RAY]) == 0
-    watcher.join(1)
-    assert killed == ["regen-rollout-0-g0"]
+    for w in watchers:
+        w.join(1)
+    assert killed == ["regen-rollout-0-g0", "regen-reward-0-g0"]
     rows, ref = read_jsonl(spread / "metrics.jsonl"), read_jsonl(single / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 31))
-    assert rows[-1]["rollout/worker_restarts"] >= 1  # the dead actor was replaced...
+    assert rows[-1]["rollout/worker_restarts"] >= 1 and rows[-1]["reward/worker_restarts"] >= 1  # replaced...
     # ...and its share sampled again with the same weights and uniforms: every step's batch is the one
     # a single process samples (a lost or doubled group would change the rewards from that step on)
     assert [r["reward/mean"] for r in rows] == [r["reward/mean"] for r in ref]
@@ -68,6 +69,14 @@ def test_one_step_off_policy_never_exceeds_the_bound(base_model, tmp_path):
     # step 1 and the step after a checkpoint (the batch sampled ahead is dropped at a checkpoint so
     # the saved state resumes exactly) use current weights; the others were sampled during the update
     assert lags == [0, 1, 1, 0, 1, 1]
+    # a run stopped at the step-3 checkpoint and resumed continues exactly: the batch it had sampled
+    # ahead was dropped and its prompts and randomness rewound when the checkpoint was written
+    again = tmp_path / "again"
+    common = [f"model.path={base_model}", f"run.dir={again}", *LEARN, *RAY, "distributed.max_staleness=1"]
+    assert main(["train", *common, "train.steps=3"]) == 0
+    assert main(["train", *common, "train.steps=6", "checkpoint.every=3"]) == 0
+    strip = lambda rows: [r["reward/mean"] for r in rows]  # noqa: E731
+    assert strip(read_jsonl(again / "metrics.jsonl")) == strip(read_jsonl(run / "metrics.jsonl"))
 
 
 def test_a_batch_staler_than_the_bound_is_sampled_again(base_model, tmp_path):
