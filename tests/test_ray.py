@@ -107,3 +107,17 @@ def test_flow_models_are_refused_outside_one_process(flow_base, tmp_path, capsys
     assert main(["train", f"model.path={flow_base}", f"run.dir={tmp_path / 'r'}", "algorithm.name=nft",
                  "distributed.mode=ray"]) == 2
     assert "language-model RL only for now; flow models train in one process" in capsys.readouterr().err
+
+
+def test_lora_runs_send_only_the_adapter(base_model, tmp_path):
+    lora = [*LEARN, "train.steps=4", "model.lora={r: 4, alpha: 8}", "optim.lr=1e-3"]
+    one, spread, full = tmp_path / "one", tmp_path / "ray", tmp_path / "full"
+    assert main(["train", f"model.path={base_model}", f"run.dir={one}", *lora]) == 0
+    assert main(["train", f"model.path={base_model}", f"run.dir={spread}", *lora, *RAY]) == 0
+    assert main(["train", f"model.path={base_model}", f"run.dir={full}", *LEARN, *RAY, "train.steps=2"]) == 0
+    rows, ref = read_jsonl(spread / "metrics.jsonl"), read_jsonl(one / "metrics.jsonl")
+    # the actors sample with base + the trainer's adapter: the same batches as one process
+    assert [r["reward/mean"] for r in rows] == [r["reward/mean"] for r in ref]
+    assert ref[-1]["grad_norm"] > 0
+    adapter_mb, full_mb = rows[0]["sync/mb"], read_jsonl(full / "metrics.jsonl")[0]["sync/mb"]
+    assert 0 < adapter_mb < full_mb / 5, (adapter_mb, full_mb)

@@ -5,12 +5,14 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
+import regen.loop
 from regen.cli import main
-from tests.conftest import read_jsonl
+from tests.conftest import NaNAt, read_jsonl
 from tests.test_train_e2e import ENDS_EVEN, FAST
 
 # 4 prompts x 4 samples per step, minibatches of 8 (2 per rank) and 2 epochs: shuffled minibatches,
@@ -19,10 +21,13 @@ SETUP = [*FAST, ENDS_EVEN, "train.global_minibatch_size=8", "train.ppo_epochs=2"
          "optim.lr=1e-3", "run.threads=1"]
 
 
-def torchrun(run, base, *extra, nproc=2):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "regen",
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def torchrun(run, base, *extra, nproc=2, entry=("-m", "regen")):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *entry,
            "train", f"model.path={base}", f"run.dir={run}", *SETUP, "distributed.mode=torchrun", *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
 
 
@@ -102,3 +107,22 @@ def test_ppo_critic_is_data_parallel_too(strategy, base_model, tmp_path):
     assert c1.keys() == c2.keys()
     diff = sum(((c1[k] - c2[k]) ** 2).sum() for k in c1) ** 0.5
     assert diff < 1e-4 * sum((c1[k] ** 2).sum() for k in c1) ** 0.5
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_rollback_under_torchrun_matches_one_process(strategy, base_model, tmp_path, monkeypatch):
+    # every loss of steps 3 and 4 is NaN (4 minibatches a step): two unhealthy steps roll back to step 2
+    nan_calls = range(9, 17)
+    health = ["train.steps=6", "checkpoint.every=2", "health.rollback_after_nonfinite=2"]
+    monkeypatch.setitem(regen.loop.POLICY_LOSSES, "grpo", NaNAt(regen.loop.POLICY_LOSSES["grpo"], set(nan_calls)))
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert single(one, base_model, *health) == 0
+    out = torchrun(two, base_model, *health, f"distributed.strategy={strategy}",
+                   entry=[str(ROOT / "tests" / "nan_entry.py"), ",".join(map(str, nan_calls))])
+    assert out.returncode == 0, out.stderr[-3000:]
+    kinds = lambda run: [(a["step"], a["kind"]) for a in read_jsonl(run / "alerts.jsonl")]  # noqa: E731
+    assert kinds(two) == kinds(one) == [(3, "nonfinite"), (4, "nonfinite"), (4, "rollback")]
+    rows, ref = read_jsonl(two / "metrics.jsonl"), read_jsonl(one / "metrics.jsonl")
+    assert [r["lr"] for r in rows] == [r["lr"] for r in ref] and rows[-1]["lr"] < rows[0]["lr"]
+    assert [r["reward/mean"] for r in rows] == [r["reward/mean"] for r in ref]
+    assert_same_weights(two / "export", one / "export", base_model)
