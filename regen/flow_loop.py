@@ -27,6 +27,8 @@ from regen.algorithms.losses import batch_denominators
 from regen.config import RLConfig
 from regen.policies.flow import FlowPolicy, FlowSample
 from regen.rewards import Sample
+from regen.rollout import group_rows
+from regen.runtime.dist import Dist
 from regen.runtime.metrics import nanmean
 from regen.runtime.precision import Precision
 from regen.samplers.flow import sde_steps, window_start
@@ -56,21 +58,40 @@ def to_samples(policy: FlowPolicy, batch: FlowSample, items, n: int) -> list[Sam
     return [Sample(items[i // n].prompt, "", items[i // n].meta, True, pix[i]) for i in range(len(pix))]
 
 
+def sample(policy: FlowPolicy, items, cfg: RLConfig, gen: torch.Generator, sde: torch.Tensor, d: Dist) -> FlowSample:
+    """n samples per prompt of `items`; under torchrun each rank draws its groups (with the
+    noise of the whole batch, sliced) and every rank gets the whole batch."""
+    f, n = cfg.flow, cfg.rollout.group_size
+    groups = d.my_rows(torch.arange(len(items)))
+    part = policy.rollout([items[g].prompt for g in groups.tolist()], n, gen, f.steps, sde, f.noise_level, f.sampler,
+                          f.shift, f.guidance, keep_states=bool(sde.any()), rows=group_rows(groups, n),
+                          total=len(items) * n)
+    if not d.on:
+        return part
+    return FlowSample.concat(d.gather_objects(part.to("cpu"))).to(policy.device)
+
+
 @torch.no_grad()
-def fixed_terms(policy: FlowPolicy, batch: FlowSample, cfg: RLConfig, ref) -> dict:
+def fixed_terms(policy: FlowPolicy, batch: FlowSample, cfg: RLConfig, ref, d: Dist | None = None) -> dict:
     """What stays fixed during the update of a per-step method: the behaviour policy's
     log-probs and means (only needed after the first pass over the batch) and the reference's
-    means for the KL term."""
-    f, t = cfg.flow, cfg.train
+    means for the KL term. Under torchrun each rank computes its rows; all ranks get all."""
+    f, t, d = cfg.flow, cfg.train, d or Dist()
     out: dict = {}
     if cfg.algorithm.name not in PER_STEP:
         return out
+    mine = batch.select(d.my_rows(torch.arange(len(batch.prompts))))
     single_pass = t.ppo_epochs == 1 and t.global_minibatch_size == cfg.rollout.global_batch_size
     if not single_pass:
-        out["logp"], out["means"], _ = policy.step_logprobs(batch, f.noise_level, f.sampler, f.guidance)
+        logp, means, _ = policy.step_logprobs(mine, f.noise_level, f.sampler, f.guidance)
+        out["logp"], out["means"] = d.gather_rows(logp), _gather_means(means, d)
     if f.kl_coef > 0:
-        out["ref_means"] = policy.step_logprobs(batch, f.noise_level, f.sampler, f.guidance, unet=ref)[1]
+        out["ref_means"] = _gather_means(policy.step_logprobs(mine, f.noise_level, f.sampler, f.guidance, unet=ref)[1], d)
     return out
+
+
+def _gather_means(means: list, d: Dist) -> list:
+    return [None if m is None else d.gather_rows(m) for m in means]
 
 
 def _step_kl(means: list, other: list, stds: list[float], B: int) -> torch.Tensor:
@@ -88,8 +109,9 @@ def _rows(means: list, rows) -> list:
 
 
 def minibatch_loss(policy: FlowPolicy, sub: FlowSample, rows, adv, valid, mask, fixed, denoms, cfg: RLConfig,
-                   gen: torch.Generator, ema):
-    """(loss, metrics) of one micro-batch for the configured method."""
+                   noise, ema):
+    """(loss, metrics) of one micro-batch for the configured method. noise: the ODE methods'
+    (t (B,), eps (B, *x)) for these rows, drawn for the whole minibatch (see update)."""
     a, f = cfg.algorithm.name, cfg.flow
     B = len(rows)
     if a in PER_STEP:
@@ -104,8 +126,7 @@ def minibatch_loss(policy: FlowPolicy, sub: FlowSample, rows, adv, valid, mask, 
         return flow_dppo_loss(logp, old, adv, mask, _step_kl(now, old_means, stds, B), f.dppo_tau, denoms)
     # ODE methods: a random point of the forward process for each clean sample
     x0 = sub.x0
-    t = torch.rand(B, generator=gen).to(policy.device)
-    eps = torch.randn(x0.shape, generator=gen).to(policy.device)
+    t, eps = (z.to(policy.device) for z in noise)
     tt = t.view(B, *[1] * (x0.dim() - 1))
     xt = (1 - tt) * x0 + tt * eps
     cond = policy.encoder(sub.prompts)
@@ -125,11 +146,13 @@ def minibatch_loss(policy: FlowPolicy, sub: FlowSample, rows, adv, valid, mask, 
 
 
 def update(policy: FlowPolicy, opt, batch: FlowSample, adv, valid, cfg: RLConfig, gen, fixed, ema,
-           prec: Precision | None = None) -> dict:
+           prec: Precision | None = None, d: Dist | None = None) -> dict:
     """ppo_epochs passes in minibatches, each one optimizer step accumulated over micro-batches
-    with the minibatch's own denominators (so micro-batching never changes the loss). prec:
-    train.precision (autocast of the forward passes, loss scaling)."""
-    prec = prec or Precision("fp32", policy.device)
+    with the minibatch's own denominators and the ODE methods' noise drawn for the whole
+    minibatch (so micro-batching never changes the loss). prec: train.precision (autocast of
+    the forward passes, loss scaling). d: under torchrun each rank takes its share of every
+    minibatch and DDP averages the gradients (the loss is scaled by the world size to sum)."""
+    prec, d = prec or Precision("fp32", policy.device), d or Dist()
     t, a = cfg.train, cfg.algorithm.name
     B = len(adv)
     mb, micro = t.global_minibatch_size, t.micro_batch_size or t.global_minibatch_size
@@ -142,15 +165,20 @@ def update(policy: FlowPolicy, opt, batch: FlowSample, adv, valid, cfg: RLConfig
         order = torch.arange(B) if t.ppo_epochs == 1 and mb == B else torch.randperm(B, generator=gen)
         for idx in order.split(mb):
             denoms = batch_denominators(mask[idx])
+            noise = None if per_step else (torch.rand(len(idx), generator=gen),
+                                           torch.randn((len(idx), *batch.x0.shape[1:]), generator=gen))
             opt.zero_grad(set_to_none=True)
             step_m: dict[str, float] = {}
-            for part in idx.split(micro):
+            for pos in d.my_rows(torch.arange(len(idx))).split(micro):  # positions in the minibatch
+                part = idx[pos]
                 with prec.autocast():
                     loss, m = minibatch_loss(policy, batch.select(part), part, adv[part], valid[part], mask[part],
-                                             fixed, denoms, cfg, gen, ema)
-                prec.backward(loss)
+                                             fixed, denoms, cfg, None if noise is None else (noise[0][pos], noise[1][pos]),
+                                             ema)
+                prec.backward(loss * d.loss_scale)
                 for k, v in m.items():
                     step_m[k] = step_m.get(k, 0.0) + float(v) * (1.0 if k in ("loss", "pg_loss") else len(part) / len(idx))
+            step_m = d.sum_floats(step_m)
             gn, stepped = prec.step(opt, params, t.grad_clip)
             if not stepped:
                 opt.zero_grad(set_to_none=True)
@@ -185,9 +213,8 @@ def train_flow(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict
             run.hooks.enter("sample")  # train.offload: optimizer state and idle copies leave the GPU
             items = [run.prompts[i] for i in run.data.take(cfg.prompts_per_step)]
             sde = trained_steps(cfg, step, gen)
-            with run.precision.autocast():
-                batch = policy.rollout([it.prompt for it in items], n, gen, f.steps, sde, f.noise_level, f.sampler,
-                                       f.shift, f.guidance, keep_states=bool(sde.any()))
+            with run.precision.autocast():  # under torchrun: each rank its groups, gathered
+                batch = sample(policy, items, cfg, gen, sde, run.dist)
             t1 = time.perf_counter()
             # 2. score: black-box rewards on the pixels; NaN = missing
             total, parts = run.reward(to_samples(policy, batch, items, n))
@@ -201,8 +228,9 @@ def train_flow(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict
             set_lr(opt, lr)
             run.hooks.enter("update")
             with run.precision.autocast():  # the same autocast as the update's: on-policy ratio 1
-                fixed = fixed_terms(policy, batch, cfg, run.ref)
-            upd = update(policy, opt, batch, adv, valid, cfg, gen, fixed, run.ema, run.precision) if valid.any() else {}
+                fixed = fixed_terms(policy, batch, cfg, run.ref, run.dist)
+            upd = update(policy, opt, batch, adv, valid, cfg, gen, fixed, run.ema, run.precision, run.dist) \
+                if valid.any() else {}
             run.follow(step)  # NFT's old policy and the weight EMA
             t3 = time.perf_counter()
             # 5. sync: single process, the sampler is the trained model: nothing to move
@@ -224,7 +252,7 @@ def train_flow(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict
                 run.rollback(step)
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != cfg.train.steps:
                 run.save(step)
-            if stop.requested:
+            if run.dist.any_true(stop.requested):  # torchrun: every rank stops at the same step
                 summary["stopped_early"] = True
                 break
         summary["checkpoint"] = run.save(step)
@@ -233,6 +261,6 @@ def train_flow(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict
             run.log.log(step, summary["eval_after"])
     summary["export"] = str(run.run_dir / "export")
     if not summary["stopped_early"]:
-        run.export(run.run_dir / "export")
+        run.export(run.run_dir / "export")  # rank 0 writes
     run.close()
     return summary

@@ -4,7 +4,7 @@ videos): inputs checked, run directory prepared or resumed, checkpoints, held-ou
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -15,6 +15,7 @@ from regen.config import RLConfig, dump_config
 from regen.data import EpochSampler
 from regen.errors import UserError
 from regen.flow_sft import load_flow_policy, save_media
+from regen.placement import SilentLog, prepare_on_rank0
 from regen.policies.flow import FlowPolicy
 from regen.policies.flow_lora import (
     BaseView,
@@ -27,14 +28,16 @@ from regen.policies.flow_lora import (
     trainable_state,
 )
 from regen.policies.lm import resolve_device
+from regen.rewards.sharded import ShardedReward
 from regen.runtime import checkpoint as ckpt
+from regen.runtime import dist as rdist
 from regen.runtime.alerts import Alerts
 from regen.runtime.health import HealthMonitor
 from regen.runtime.metrics import MetricsLogger, nanmean
 from regen.runtime.offload import PhaseHooks, loop_hooks
 from regen.runtime.optim import make_optimizer
 from regen.runtime.precision import Precision
-from regen.runtime.rundir import mark_running, prepare, setup_torch
+from regen.runtime.rundir import mark_running, setup_torch
 from regen.session import RunBooks, begin_rollback, end_rollback, restore_books, resume_state, run_inputs, save_run_checkpoint
 
 NFT_OLD, WEIGHT_EMA = "nft_old.safetensors", "weight_ema.safetensors"  # in each checkpoint
@@ -48,16 +51,23 @@ class FlowRun(RunBooks):
     weight_ema: torch.nn.Module | None  # flow.weight_ema: the weights evaluated and exported
     hooks: PhaseHooks  # run at each phase change (train.offload parks state)
     precision: Precision  # train.precision: autocast and loss scaling
+    dist: rdist.Dist = field(default_factory=rdist.Dist)  # torchrun rank / world size (single: rank 0 of 1)
 
     @classmethod
     def start(cls, cfg: RLConfig, resume: bool = False, force: bool = False) -> FlowRun:
         device = resolve_device(cfg.run.device)
+        d = rdist.start(cfg.distributed.mode, cfg.distributed.strategy, cfg.distributed.backend, device)
+        if d.sharded:
+            raise UserError("distributed.strategy=fsdp: flow models are data parallel with ddp only for now")
+        if d.on and cfg.prompts_per_step % d.world:
+            raise UserError(f"rollout.global_batch_size / group_size = {cfg.prompts_per_step} prompts per step cannot "
+                            f"be split evenly under torchrun with {d.world} processes")
         reward, prompts, eval_items = run_inputs(cfg)
         f = cfg.flow
         if f.sde_window is not None and f.window_start + f.sde_window > f.steps:
             raise UserError(f"flow.sde_window={f.sde_window} from flow.window_start={f.window_start} does not fit "
                             f"in flow.steps={f.steps}")
-        run_dir, resume = prepare(cfg.run.dir, cfg.run.overwrite, resume)
+        run_dir, resume = prepare_on_rank0(cfg, resume, d)
         setup_torch(cfg.run.threads, cfg.run.seed)
         alerts = Alerts(run_dir, webhook_url=cfg.health.webhook_url)
         state = resume_state(cfg, run_dir, alerts, force) if resume else None
@@ -75,21 +85,33 @@ class FlowRun(RunBooks):
         weight_ema = frozen_copy(policy.unet, folder, WEIGHT_EMA, alerts) if f.weight_ema is not None else None
         if cfg.train.gradient_checkpointing:
             policy.unet.enable_gradient_checkpointing()  # diffusers: recompute in backward
+        if d.on:  # DDP: the update's forwards go through the wrapper (FlowPolicy._net)
+            policy.ddp_unet = d.wrap(policy.unet)
         opt = make_optimizer(policy.unet, cfg.optim)
         data = EpochSampler(len(prompts), cfg.run.seed)
         gen = torch.Generator().manual_seed(cfg.run.seed)
         health = HealthMonitor(cfg.health, alerts)
         start_step = restore_books(state, run_dir, opt, data, gen, health)
-        dump_config(cfg, run_dir / "config.yaml")
-        mark_running(run_dir)
-        log = MetricsLogger(run_dir, cfg.log, config=cfg, resume=state is not None,
-                            warn=lambda step, m: alerts.fire(step, "logger_failed", m))
-        return cls(cfg, run_dir, policy, opt, data, gen, reward, prompts, eval_items, log, alerts, health,
-                   start_step, ref, ema, weight_ema, loop_hooks(cfg.train.offload, device, [opt], [ref, ema, weight_ema]),
-                   Precision(cfg.train.precision, device))
+        if d.main:
+            dump_config(cfg, run_dir / "config.yaml")
+            mark_running(run_dir)
+            log = MetricsLogger(run_dir, cfg.log, config=cfg, resume=state is not None,
+                                warn=lambda step, m: alerts.fire(step, "logger_failed", m))
+        else:
+            cfg.log.progress, log = "none", SilentLog()  # rank 0 reports
+        return cls(cfg, run_dir, policy, opt, data, gen, ShardedReward(reward, d) if d.on else reward, prompts,
+                   eval_items, log, alerts, health, start_step, ref, ema, weight_ema,
+                   loop_hooks(cfg.train.offload, device, [opt], [ref, ema, weight_ema]),
+                   Precision(cfg.train.precision, device), d)
 
     def save(self, step: int) -> Path | None:
-        return save_run_checkpoint(self, step, self._save_extra, save_model=self._save_model)
+        """Rank 0 writes (DDP keeps every rank's weights equal); every rank learns the outcome."""
+        folder = save_run_checkpoint(self, step, self._save_extra, save_model=self._save_model) if self.dist.main \
+            else None
+        folder = self.dist.broadcast_object(folder)
+        if folder is not None and not self.dist.main:
+            self.health.checkpointed()
+        return folder
 
     def _save_model(self, folder: Path) -> None:
         if self.cfg.model.lora is not None:
@@ -130,8 +152,10 @@ class FlowRun(RunBooks):
     def export(self, folder: Path) -> None:
         """The export folder: the weight EMA when kept, LoRA merged in (loads without peft)."""
         net = self.weight_ema if self.weight_ema is not None else self.policy.unet
-        with swapped(self.policy, merged(net) if self.cfg.model.lora is not None else net):
-            self.policy.export(folder)
+        if self.dist.main:
+            with swapped(self.policy, merged(net) if self.cfg.model.lora is not None else net):
+                self.policy.export(folder)
+        self.dist.barrier()
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Held-out prompts, sampled with the ODE and fixed noise; mean reward of each term and
@@ -153,7 +177,8 @@ class FlowRun(RunBooks):
 
             # logged beside any reward, so a reward that is hacked (a flat colour) shows here
             metrics["eval/adherence_accuracy"] = nanmean(AdherenceAccuracy()(samples))
-        save_media(self.run_dir, step, out, total, policy=self.policy)
+        if self.dist.main:
+            save_media(self.run_dir, step, out, total, policy=self.policy)
         return metrics
 
 

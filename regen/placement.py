@@ -29,9 +29,11 @@ def which_loop(cfg: RLConfig) -> str:
                         f"or awm, not {cfg.algorithm.name}")
     mode = cfg.distributed.mode
     spread = mode in ("torchrun", "ray") or (mode == "auto" and rdist.launched_by_torchrun())
-    if spread and (flow_model or cfg.algorithm.name == "dpo"):
-        raise UserError(f"distributed.mode={mode}: language-model RL only for now; "
-                        f"{'flow models' if flow_model else 'DPO'} train in one process")
+    if mode == "ray" and flow_model:
+        raise UserError("distributed.mode=ray: language models only for now; flow models run in one process or "
+                        "under torchrun (distributed.mode=torchrun)")
+    if spread and cfg.algorithm.name == "dpo":
+        raise UserError(f"distributed.mode={mode}: DPO trains in one process")
     return "flow" if flow_model else "dpo" if cfg.algorithm.name == "dpo" else "lm"
 
 

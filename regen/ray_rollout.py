@@ -67,7 +67,10 @@ class ActorGroup:
         self.max_restarts, self.on_new = max_restarts, on_new  # on_new(actor): bring a new actor up to date
         self.generation, self.restarts = 0, 0
         self.actors = [self._spawn(i) for i in range(k)]
-        ray.get([a.ready.remote() for a in self.actors])
+        try:
+            ray.get([a.ready.remote() for a in self.actors])
+        except ray.exceptions.RayError as e:  # e.g. the model or a reward's package missing on a node
+            raise UserError(f"{name} actors could not start: {_first_error_line(e)}") from None
 
     def _spawn(self, i: int):
         return self.remote.options(name=f"{self.name}-{i}-g{self.generation}", **self.opts).remote(*self.args)
@@ -92,7 +95,7 @@ class ActorGroup:
                     self.restarts += 1
                     if tries > self.max_restarts:
                         raise RunStopped(f"{self.name} actors died {tries} times in one step (last: "
-                                         f"{type(e).__name__}); see distributed.max_restarts") from None
+                                         f"{_first_error_line(e)}); see distributed.max_restarts") from None
                     self.generation += 1
                     self.actors[i] = self._spawn(i)
                     if self.on_new is not None:
@@ -223,3 +226,10 @@ class RayReward:
 def _split(xs: list, k: int) -> list[list]:
     idx = torch.arange(len(xs)).tensor_split(k)
     return [[xs[i] for i in part.tolist()] for part in idx]
+
+
+def _first_error_line(e: BaseException) -> str:
+    """The cause Ray reports, in one line (its messages carry whole remote tracebacks)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    causes = [ln for ln in lines if "Error" in ln and not ln.startswith(("File", "Traceback"))]
+    return (causes[-1] if causes else lines[0] if lines else type(e).__name__)[:300]

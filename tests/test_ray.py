@@ -103,10 +103,10 @@ def test_a_batch_staler_than_the_bound_is_sampled_again(base_model, tmp_path):
         pool.close()
 
 
-def test_flow_models_are_refused_outside_one_process(flow_base, tmp_path, capsys):
+def test_flow_models_are_refused_on_ray(flow_base, tmp_path, capsys):
     assert main(["train", f"model.path={flow_base}", f"run.dir={tmp_path / 'r'}", "algorithm.name=nft",
                  "distributed.mode=ray"]) == 2
-    assert "language-model RL only for now; flow models train in one process" in capsys.readouterr().err
+    assert "language models only for now; flow models run in one process or under torchrun" in capsys.readouterr().err
 
 
 def test_lora_runs_send_only_the_adapter(base_model, tmp_path):

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 import regen.loop
 from regen.cli import main
-from tests.conftest import NaNAt, read_jsonl
+from tests.conftest import BRIGHT, NaNAt, read_jsonl
 from tests.test_train_e2e import ENDS_EVEN, FAST
 
 # 4 prompts x 4 samples per step, minibatches of 8 (2 per rank) and 2 epochs: shuffled minibatches,
@@ -126,3 +126,26 @@ def test_rollback_under_torchrun_matches_one_process(strategy, base_model, tmp_p
     assert [r["lr"] for r in rows] == [r["lr"] for r in ref] and rows[-1]["lr"] < rows[0]["lr"]
     assert [r["reward/mean"] for r in rows] == [r["reward/mean"] for r in ref]
     assert_same_weights(two / "export", one / "export", base_model)
+
+
+@pytest.mark.parametrize("algo", ["nft", "flow_grpo"])
+def test_flow_models_train_the_same_weights_on_two_processes(algo, flow_base, tmp_path):
+    # 4 prompts x 4 images a step, minibatches of 8 over 2 epochs; flow_grpo with its KL reference
+    args = [f"model.path={flow_base}", f"algorithm.name={algo}", "data.train=builtin:shapes:train", "data.eval=null",
+            "rollout.global_batch_size=16", "rollout.group_size=4", "train.global_minibatch_size=8",
+            "train.ppo_epochs=2", "flow.steps=4", "log.progress=none", "log.tensorboard=false", "optim.lr=1e-3",
+            "run.threads=1", "train.steps=3", "flow.kl_coef=0.01", BRIGHT]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert main(["train", *args, f"run.dir={one}", "distributed.mode=single"]) == 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "regen", "train",
+           *args, f"run.dir={two}", "distributed.mode=torchrun"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows, ref = read_jsonl(two / "metrics.jsonl"), read_jsonl(one / "metrics.jsonl")
+    for key in ("reward/mean", "loss", "grad_norm"):
+        assert [r[key] for r in rows] == pytest.approx([r[key] for r in ref], rel=1e-4, abs=1e-6), key
+    unet = "unet/diffusion_pytorch_model.safetensors"
+    w2, w1, w0 = (load_file(str(p / unet)) for p in (two / "export", one / "export", Path(flow_base)))
+    diff = sum(((w2[k] - w1[k]) ** 2).sum() for k in w1) ** 0.5
+    moved = sum(((w1[k] - w0[k]) ** 2).sum() for k in w1) ** 0.5
+    assert moved > 1e-3 and diff < 1e-3 * moved, (float(diff), float(moved))

@@ -66,8 +66,24 @@ class FlowSample:
         return FlowSample(self.x0[idx], [self.prompts[i] for i in idx.tolist()], self.sigmas, pick(self.states),
                           pick(self.log_probs), self.sde)
 
+    def to(self, device) -> FlowSample:
+        move = (lambda t: None if t is None else t.to(device))  # noqa: E731
+        return FlowSample(self.x0.to(device), self.prompts, self.sigmas, move(self.states), self.log_probs, self.sde)
+
+    @staticmethod
+    def concat(parts: list[FlowSample]) -> FlowSample:
+        """One batch from consecutive shares (torchrun ranks' rows, in rank order)."""
+        cat = (lambda name: None if getattr(parts[0], name) is None else  # noqa: E731
+               torch.cat([getattr(p, name) for p in parts]))
+        return FlowSample(cat("x0"), [q for p in parts for q in p.prompts], parts[0].sigmas, cat("states"),
+                          cat("log_probs"), parts[0].sde)
+
 
 class FlowPolicy:
+    # torchrun (regen/runtime/dist.py): the DDP wrapper around self.unet; the training network's
+    # forward passes go through it (see _net), frozen copies and swapped-in EMAs do not.
+    ddp_unet = None
+
     def __init__(self, unet, encoder: PromptEncoder, sample_shape: tuple[int, ...], device: torch.device,
                  kind: str = "shapes"):
         self.unet = unet.to(device)
@@ -134,13 +150,19 @@ class FlowPolicy:
     # A condition is whatever `self.encoder(prompts)` returns: here a (B, D) tensor, for SD3 a
     # tuple of tensors; only `velocity` and `_cat_cond` look inside it.
 
+    def _net(self, unet=None):
+        """The network a velocity is computed with: `unet` (a frozen copy), else the policy's own
+        (through its DDP wrapper under torchrun, so the update's gradients are averaged)."""
+        net = unet or self.unet
+        return self.ddp_unet if self.ddp_unet is not None and net is self.ddp_unet.module else net
+
     def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, unet=None) -> torch.Tensor:
         """v(x_sigma, sigma, cond) = d x / d sigma; x (B, *sample_shape), sigma (B,), cond (B, D).
         unet: another network with the same config (the frozen reference, an EMA copy)."""
         B = x.shape[0]
         flat = x.reshape(B, -1, *x.shape[-2:])  # video frames as channels
         t = (sigma * 1000).to(flat.dtype)  # the UNet's timestep embedding expects 0..1000
-        v = (unet or self.unet)(flat, t, class_labels=cond.to(flat.dtype)).sample
+        v = self._net(unet)(flat, t, class_labels=cond.to(flat.dtype)).sample
         return v.reshape(x.shape)
 
     def guided_velocity(self, x, sigma, cond, null, scale: float, unet=None) -> torch.Tensor:
@@ -204,22 +226,26 @@ class FlowPolicy:
     @torch.no_grad()
     def rollout(self, prompts: list[str], n: int, gen: torch.Generator, steps: int, sde: torch.Tensor,
                 noise_level: float, sampler: str = "sde", shift: float = 1.0, guidance: float = 1.0,
-                keep_states: bool = True) -> FlowSample:
+                keep_states: bool = True, rows: torch.Tensor | None = None, total: int | None = None) -> FlowSample:
         """n samples per prompt; steps where `sde` (S,) is True are stochastic (Flow-GRPO SDE or
         CPS) and get a log-prob, the others are Euler ODE steps (log-prob 0). keep_states stores
-        the trajectory, which the per-step losses re-score."""
+        the trajectory, which the per-step losses re-score. rows / total: these are rows `rows`
+        of a batch of `total` (a torchrun rank's share): every noise tensor is drawn for the whole
+        batch and sliced, so a row's sample does not depend on which process drew it."""
         from regen.samplers.flow import cps_step, euler_step, sde_step, sigma_schedule
 
         prompts = [p for p in prompts for _ in range(n)]
         B = len(prompts)
         cond, null = self.encoder(prompts), self.encoder([""] * B)
         sig = sigma_schedule(steps, shift).tolist()
-        x = torch.randn((B, *self.sample_shape), generator=gen).to(self.device)
+        mine = (lambda z: z) if rows is None else (lambda z: z[rows])  # noqa: E731
+        draw = total or B
+        x = mine(torch.randn((draw, *self.sample_shape), generator=gen)).to(self.device)
         states, logps = [x], torch.zeros(B, steps)
         for i in range(steps):
             v = self.guided_velocity(x, torch.full((B,), sig[i], device=self.device), cond, null, guidance)
             if bool(sde[i]):
-                noise = torch.randn(x.shape, generator=gen).to(self.device)
+                noise = mine(torch.randn((draw, *x.shape[1:]), generator=gen)).to(self.device)
                 out = (sde_step(x, v, sig[i], sig[i + 1], noise_level, sig[1], noise=noise) if sampler == "sde"
                        else cps_step(x, v, sig[i], sig[i + 1], noise_level, noise=noise))
                 x, logps[:, i] = out.next, out.log_prob.cpu()

@@ -142,7 +142,7 @@ class SD3FlowPolicy(LatentFlowPolicy):
         """v = d x / d sigma = eps - x0 on latents (B, C, h, w); cond = (states, pooled)."""
         dt = self._dtype()
         states, pooled = cond
-        return (unet or self.unet)(
+        return self._net(unet)(
             hidden_states=x.to(dt),
             timestep=(sigma * 1000).to(dt),
             encoder_hidden_states=states.to(dt),

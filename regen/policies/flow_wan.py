@@ -109,7 +109,7 @@ class WanFlowPolicy(LatentFlowPolicy):
     def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, unet=None) -> torch.Tensor:
         """v = d x / d sigma = eps - x0 on latents (B, C, F', H', W'); cond (B, L, D)."""
         dt = self._dtype()
-        return (unet or self.unet)(
+        return self._net(unet)(
             hidden_states=x.to(dt), timestep=(sigma * 1000).to(dt), encoder_hidden_states=cond.to(dt)
         ).sample
 
