@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -121,7 +122,7 @@ class RayRollouts:
         self.data, self.prompts, self.cfg, self.pad_id = data, prompts, cfg, policy.pad_id
         self.bound, self.version = d.max_staleness, version
         self.workers = ActorGroup(RolloutWorker, d.rollout_workers, d.rollout_resources,
-                                  (cfg.model_dump(mode="json"), d.actor_threads), "regen-rollout", d.max_restarts,
+                                  (_for_actors(cfg), d.actor_threads), "regen-rollout", d.max_restarts,
                                   on_new=lambda a: ray.get(a.load_weights.remote(self._weights, self.version)))
         self._weights = None
         self._ahead = None  # (items, uniforms, refs, data and generator state before them)
@@ -202,7 +203,7 @@ class RayReward:
         start_ray(cfg)
         d = cfg.distributed
         self.workers = ActorGroup(RewardWorker, d.reward_workers, d.reward_resources,
-                                  (cfg.model_dump(mode="json"), d.actor_threads), "regen-reward", d.max_restarts)
+                                  (_for_actors(cfg), d.actor_threads), "regen-reward", d.max_restarts)
 
     def __call__(self, samples: list) -> tuple[list[float], dict[str, list[float]]]:
         shares = [(list(s),) for s in _split(samples, len(self.workers.actors))]
@@ -233,3 +234,13 @@ def _first_error_line(e: BaseException) -> str:
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
     causes = [ln for ln in lines if "Error" in ln and not ln.startswith(("File", "Traceback"))]
     return (causes[-1] if causes else lines[0] if lines else type(e).__name__)[:300]
+
+
+def _for_actors(cfg) -> dict:
+    """The config tree the actors build from, with a local model.path made absolute (actors on
+    other nodes see the same path on a shared filesystem; their working directory may differ)."""
+    tree = cfg.model_dump(mode="json")
+    path = tree["model"].get("path")
+    if path and Path(path).expanduser().exists():
+        tree["model"]["path"] = str(Path(path).expanduser().resolve())
+    return tree

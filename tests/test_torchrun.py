@@ -149,3 +149,10 @@ def test_flow_models_train_the_same_weights_on_two_processes(algo, flow_base, tm
     diff = sum(((w2[k] - w1[k]) ** 2).sum() for k in w1) ** 0.5
     moved = sum(((w1[k] - w0[k]) ** 2).sum() for k in w1) ** 0.5
     assert moved > 1e-3 and diff < 1e-3 * moved, (float(diff), float(moved))
+
+
+def test_torchrun_with_mode_single_is_refused(base_model, tmp_path):
+    # two one-process runs would write the same run directory
+    out = torchrun(tmp_path / "r", base_model, "distributed.mode=single")
+    assert out.returncode != 0 and "started by torchrun with 2 processes but distributed.mode=single" in out.stderr
+    assert not (tmp_path / "r").exists()

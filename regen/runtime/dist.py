@@ -30,8 +30,10 @@ _ACTIVE: Dist | None = None
 class Dist:
     """The process group this run trains in: rank, world size and the collectives the loop needs."""
 
-    def __init__(self, strategy: str = "single", rank: int = 0, world: int = 1, side_group=None):
+    def __init__(self, strategy: str = "single", rank: int = 0, world: int = 1, side_group=None,
+                 device: torch.device | None = None):
         self.strategy, self.rank, self.world = strategy, rank, world
+        self.device = device or torch.device("cpu")  # where the group's tensors must be (NCCL: this rank's GPU)
         # A second (gloo) group for what runs in a background thread, such as scoring that overlaps
         # the log-prob passes: collectives of two threads on one group would interleave and mismatch.
         self.side_group = side_group
@@ -89,16 +91,17 @@ class Dist:
         """Concatenate every rank's rows (same shape on every rank) in rank order."""
         if not self.on:
             return t
-        parts = [torch.empty_like(t) for _ in range(self.world)]
-        tdist.all_gather(parts, t.contiguous())
-        return torch.cat(parts)
+        src = t.contiguous().to(self.device)
+        parts = [torch.empty_like(src) for _ in range(self.world)]
+        tdist.all_gather(parts, src)
+        return torch.cat(parts).to(t.device)
 
     def sum_floats(self, values: dict[str, float]) -> dict[str, float]:
         """Sum a dict of floats over ranks (same keys in the same order on every rank)."""
         if not self.on or not values:
             return values
         keys = sorted(values)
-        t = torch.tensor([values[k] for k in keys], dtype=torch.float64)
+        t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=self.device)
         tdist.all_reduce(t)
         return dict(zip(keys, t.tolist(), strict=True))
 
@@ -106,7 +109,7 @@ class Dist:
         """True when `flag` holds on every rank: decisions that must not diverge (skip a step)."""
         if not self.on:
             return flag
-        t = torch.tensor([0.0 if flag else 1.0])
+        t = torch.tensor([0.0 if flag else 1.0], device=self.device)
         tdist.all_reduce(t)
         return bool(t.item() == 0)
 
@@ -210,6 +213,9 @@ def start(mode: str, strategy: str, backend: str, device: torch.device) -> Dist:
     if mode == "auto":
         mode = "torchrun" if launched_by_torchrun() else "single"
     if mode != "torchrun":
+        if launched_by_torchrun():  # N copies of a one-process run would write the same run directory
+            raise UserError(f"started by torchrun with {os.environ['WORLD_SIZE']} processes but distributed.mode="
+                            f"{mode}: use distributed.mode=torchrun (or auto), or start it without torchrun")
         _ACTIVE = Dist()
         return _ACTIVE
     if "RANK" not in os.environ:
@@ -223,7 +229,8 @@ def start(mode: str, strategy: str, backend: str, device: torch.device) -> Dist:
         if device.type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         tdist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
-    _ACTIVE = Dist(strategy, tdist.get_rank(), tdist.get_world_size(), tdist.new_group(backend="gloo"))
+    comm = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    _ACTIVE = Dist(strategy, tdist.get_rank(), tdist.get_world_size(), tdist.new_group(backend="gloo"), comm)
     return _ACTIVE
 
 
