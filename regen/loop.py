@@ -278,6 +278,7 @@ def train(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
                 scoring = _done(scored)
             with run.precision.autocast():  # the same autocast as the update's: on-policy ratio 1
                 old_logp, ref_logp = fixed_logprobs(policy, batch, cfg, run.dist)
+            old_logp = run.rollout.old_logprobs(batch, old_logp)  # sampled with older weights (Ray): theirs
             t_wait = time.perf_counter()
             rewards, parts = scoring.result()
             t2 = time.perf_counter()

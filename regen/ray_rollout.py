@@ -156,6 +156,16 @@ class RayRollouts:
         return {"sync/s": time.perf_counter() - t0, "sync/mb": sum(v.numel() * v.element_size()
                                                                    for v in state.values()) / 1e6}
 
+    def old_logprobs(self, batch: LMRollout, recomputed: torch.Tensor | None) -> torch.Tensor | None:
+        """The log-probs PPO's ratio is taken against. A batch sampled with older weights than the
+        trainer's (max_staleness >= 1) uses the behaviour policy's, returned by the actors: the
+        clipped ratio pi_theta / pi_behaviour then bounds the update relative to the weights that
+        actually sampled (Schulman et al. 2017, eq. 7, with pi_old = the behaviour policy). A
+        current batch keeps the trainer's own (ratio exactly 1 on-policy)."""
+        if self.version - int(batch.version.min()) > 0:
+            return batch.behaviour_logp.to(batch.response_mask.device)
+        return recomputed
+
     def stats(self) -> dict[str, float]:
         return {"rollout/staleness": float(self._lag), "rollout/worker_restarts": float(self.workers.restarts),
                 "rollout/stale_discarded": float(self.discarded)}

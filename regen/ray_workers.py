@@ -49,7 +49,8 @@ class RolloutWorker:
             raise RuntimeError("rollout worker asked to sample before any weights were sent")
         r = self.cfg.rollout
         with self.precision.autocast():
-            batch = self.policy.sample(prompts, n, r.temperature, r.top_p, r.max_new_tokens, None, uniforms=uniforms)
+            batch = self.policy.sample(prompts, n, r.temperature, r.top_p, r.max_new_tokens, None, uniforms=uniforms,
+                                       with_logp=True)  # the behaviour policy's: for batches the trainer gets late
         batch = batch.to("cpu")
         batch.version = torch.full((len(batch.completions),), self.version, dtype=torch.long)
         return batch

@@ -55,6 +55,10 @@ class LocalRollouts:
         push = getattr(self.engine, "load_weights", None)
         return {} if push is None else push(policy, step)
 
+    def old_logprobs(self, batch: LMRollout, recomputed: torch.Tensor | None) -> torch.Tensor | None:
+        """PPO's old log-probs: the trainer's own (this process sampled with its current weights)."""
+        return recomputed
+
     def stats(self) -> dict[str, float]:
         return {}
 

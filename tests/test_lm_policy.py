@@ -114,6 +114,16 @@ def test_a_slice_of_the_batch_samples_the_same_rows_with_its_uniforms(policy):
     assert len(set(whole.completions)) > 2  # really sampled, not greedy
 
 
+def test_sampled_log_probs_are_the_ones_token_logprobs_computes(policy):
+    # what rollout workers return as the behaviour policy's log-probs: the same function the
+    # trainer's token_logprobs computes (softmax of logits / temperature; top-p only filters)
+    batch = policy.sample(PROMPTS, 3, 1.5, 0.8, 6, torch.Generator().manual_seed(2), with_logp=True)
+    ref, _ = policy.token_logprobs(batch, 1.5)
+    m = batch.response_mask.bool()
+    torch.testing.assert_close(batch.behaviour_logp[m], ref[m], atol=1e-5, rtol=1e-5)
+    assert (batch.behaviour_logp[~m] == 0).all() and (batch.behaviour_logp[m] < 0).any()
+
+
 def test_temperature_sharpens():
     logits = torch.log(torch.tensor([[0.6, 0.4]])).repeat(4000, 1)
     draws = sample_token(logits, 0.5, 1.0, torch.rand(4000, generator=torch.Generator().manual_seed(0)))

@@ -99,6 +99,13 @@ def test_a_batch_staler_than_the_bound_is_sampled_again(base_model, tmp_path):
         items, batch = pool.next(gen)
         assert pool.discarded == 1 and batch.version.tolist() == [2] * 32
         assert len(items) == 4 and len(batch.completions) == 32
+        # PPO's old log-probs: the trainer's own for a current batch, the actors' for a late one
+        mine = torch.zeros_like(batch.response_mask)
+        assert pool.old_logprobs(batch, mine) is mine
+        pool.sync(policy, 3)
+        behaviour = pool.old_logprobs(batch, mine)
+        m = batch.response_mask.bool()
+        torch.testing.assert_close(behaviour[m], policy.token_logprobs(batch, 1.0)[0][m], atol=1e-5, rtol=1e-5)
     finally:
         pool.close()
 

@@ -31,6 +31,7 @@ class LMRollout:
     prompt_width: int  # P
     completions: list[str]  # (B,) decoded responses, EOS and padding removed
     version: torch.Tensor | None = None  # (B,) long: weight version that sampled each row (rollout workers)
+    behaviour_logp: torch.Tensor | None = None  # (B, T) log-probs under the sampling weights (rollout workers)
 
     @property
     def response_ids(self) -> torch.Tensor:  # (B, T)
@@ -50,12 +51,14 @@ class LMRollout:
             self.prompt_width,
             [self.completions[i] for i in keep],
             None if self.version is None else self.version[idx.cpu()],
+            None if self.behaviour_logp is None else self.behaviour_logp[idx.to(self.behaviour_logp.device)],
         )
 
     def to(self, device) -> LMRollout:
         """The same rollout with its tensors on `device` (rollouts travel between processes on the CPU)."""
         return LMRollout(self.input_ids.to(device), self.attention_mask.to(device), self.response_mask.to(device),
-                         self.finished.to(device), self.prompt_width, self.completions, self.version)
+                         self.finished.to(device), self.prompt_width, self.completions, self.version,
+                         None if self.behaviour_logp is None else self.behaviour_logp.to(device))
 
 
 def concat_rollouts(parts: list[LMRollout], pad_id: int) -> LMRollout:
@@ -74,8 +77,10 @@ def concat_rollouts(parts: list[LMRollout], pad_id: int) -> LMRollout:
                               F.pad(p.attention_mask[:, p.prompt_width :], (0, right))], 1))
         resp_mask.append(F.pad(p.response_mask, (0, right)))
     versions = None if any(p.version is None for p in parts) else torch.cat([p.version for p in parts])
+    behaviour = None if any(p.behaviour_logp is None for p in parts) else \
+        torch.cat([F.pad(p.behaviour_logp, (0, T - p.behaviour_logp.shape[1])) for p in parts])
     return LMRollout(torch.cat(ids), torch.cat(att), torch.cat(resp_mask), torch.cat([p.finished for p in parts]),
-                     P, [c for p in parts for c in p.completions], versions)
+                     P, [c for p in parts for c in p.completions], versions, behaviour)
 
 
 def max_positions(model) -> int:
@@ -163,13 +168,16 @@ class LMPolicy:
         generator: torch.Generator,
         greedy: bool = False,
         uniforms: torch.Tensor | None = None,
+        with_logp: bool = False,
     ) -> LMRollout:
         """Sample n completions per prompt (consecutive rows form a group).
 
         The randomness is one uniform per (row, token position), drawn up front: `uniforms`
         (B, max_new_tokens), or drawn from `generator`. A row's tokens then depend only on its
         own uniforms, so a process sampling a slice of a batch with the matching slice of the
-        batch's uniforms draws exactly the rows the whole batch would (torchrun data parallel)."""
+        batch's uniforms draws exactly the rows the whole batch would (torchrun data parallel).
+        with_logp: also keep each sampled token's log-prob under softmax(logits / temperature)
+        (the behaviour policy's, as token_logprobs defines it: no top-p renormalisation)."""
         model = self.model
         was_training = model.training
         model.eval()
@@ -189,11 +197,13 @@ class LMPolicy:
         done = torch.zeros(B, dtype=torch.bool, device=self.device)
         if uniforms is None and not greedy:
             uniforms = torch.rand(B, max_new_tokens, generator=generator, device=generator.device)
-        tokens = []
+        tokens, logps = [], []
         for t in range(max_new_tokens):
             tok = logits.argmax(-1) if greedy else sample_token(logits, temperature, top_p, uniforms[:, t].to(self.device))
             tok = torch.where(done, torch.full_like(tok, self.pad_id), tok)
             tokens.append(tok)
+            if with_logp:
+                logps.append(F.log_softmax(logits.float() / temperature, -1).gather(-1, tok[:, None]).squeeze(-1))
             done = done | (tok == self.eos_id)
             if t + 1 == max_new_tokens or self.all_done(done):
                 break
@@ -220,6 +230,7 @@ class LMPolicy:
             finished=finished,
             prompt_width=P,
             completions=completions,
+            behaviour_logp=torch.stack(logps, 1) * response_mask if with_logp else None,
         )
 
     # ---------------------------------------------------------------- scoring
