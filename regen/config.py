@@ -13,7 +13,7 @@ from pydantic import Field, model_validator
 
 from regen.config_base import Section
 from regen.config_dist import DistributedConfig
-from regen.config_methods import CriticConfig, FlowConfig
+from regen.config_methods import CriticConfig, FlowConfig, OverlongConfig
 
 # --------------------------------------------------------------------------- sections
 
@@ -101,14 +101,6 @@ class RolloutConfig(Section):
         0.3, gt=0.0, lt=1.0, description="rollout.engine=vllm: share of the GPU's memory vLLM may take (the rest "
         "is for training on the same GPU)."
     )
-
-
-class OverlongConfig(Section):
-    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), added to the reward."""
-
-    max_len: int = Field(ge=1, description="L_max in tokens: beyond it the penalty is -factor.")
-    cache_len: int = Field(ge=1, description="L_cache: the penalty ramps from 0 to -factor over the last cache_len tokens.")
-    factor: float = Field(1.0, ge=0.0, description="Size of the full penalty.")
 
 
 class AlgorithmConfig(Section):

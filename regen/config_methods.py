@@ -1,5 +1,5 @@
-"""Config sections of the methods that bring their own models: PPO's critic and the
-flow-matching samplers and losses (kept apart so regen/config.py stays one screenful per idea)."""
+"""Config sections of the methods that bring their own models or terms: PPO's critic, DAPO's
+overlong punishment, the flow-matching samplers and losses (kept apart so regen/config.py stays one screenful per idea)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,14 @@ from typing import Literal
 from pydantic import Field
 
 from regen.config_base import Section
+
+
+class OverlongConfig(Section):
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), added to the reward."""
+
+    max_len: int = Field(ge=1, description="L_max in tokens: beyond it the penalty is -factor.")
+    cache_len: int = Field(ge=1, description="L_cache: the penalty ramps from 0 to -factor over the last cache_len tokens.")
+    factor: float = Field(1.0, ge=0.0, description="Size of the full penalty.")
 
 
 class CriticConfig(Section):

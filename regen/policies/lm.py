@@ -11,76 +11,13 @@ from __future__ import annotations
 
 import copy
 import inspect
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from regen.errors import UserError
-
-
-@dataclass
-class LMRollout:
-    """A batch of B = prompts x group_size sampled completions."""
-
-    input_ids: torch.Tensor  # (B, P+T) long: prompt left-padded to width P, then response right-padded to T
-    attention_mask: torch.Tensor  # (B, P+T) long: 1 on prompt tokens and on valid response tokens
-    response_mask: torch.Tensor  # (B, T) float: 1 on sampled tokens up to and including EOS
-    finished: torch.Tensor  # (B,) bool: the completion ended with EOS (not truncated)
-    prompt_width: int  # P
-    completions: list[str]  # (B,) decoded responses, EOS and padding removed
-    version: torch.Tensor | None = None  # (B,) long: weight version that sampled each row (rollout workers)
-    behaviour_logp: torch.Tensor | None = None  # (B, T) log-probs under the sampling weights (rollout workers)
-
-    @property
-    def response_ids(self) -> torch.Tensor:  # (B, T)
-        return self.input_ids[:, self.prompt_width :]
-
-    @property
-    def position_ids(self) -> torch.Tensor:  # (B, P+T): left padding must not shift positions
-        return (self.attention_mask.cumsum(-1) - 1).clamp(min=0)
-
-    def select(self, idx: torch.Tensor) -> LMRollout:
-        keep = idx.tolist()
-        return LMRollout(
-            self.input_ids[idx],
-            self.attention_mask[idx],
-            self.response_mask[idx],
-            self.finished[idx],
-            self.prompt_width,
-            [self.completions[i] for i in keep],
-            None if self.version is None else self.version[idx.cpu()],
-            None if self.behaviour_logp is None else self.behaviour_logp[idx.to(self.behaviour_logp.device)],
-        )
-
-    def to(self, device) -> LMRollout:
-        """The same rollout with its tensors on `device` (rollouts travel between processes on the CPU)."""
-        return LMRollout(self.input_ids.to(device), self.attention_mask.to(device), self.response_mask.to(device),
-                         self.finished.to(device), self.prompt_width, self.completions, self.version,
-                         None if self.behaviour_logp is None else self.behaviour_logp.to(device))
-
-
-def concat_rollouts(parts: list[LMRollout], pad_id: int) -> LMRollout:
-    """One rollout from several: prompts left-padded to the widest, responses right-padded
-    to the longest (padding masked out everywhere, so log-probs are unchanged)."""
-    P = max(p.prompt_width for p in parts)
-    T = max(p.response_ids.shape[1] for p in parts)
-    ids, att, resp_mask = [], [], []
-    for p in parts:
-        t = p.response_ids.shape[1]
-        left, right = P - p.prompt_width, T - t
-        prompt = F.pad(p.input_ids[:, : p.prompt_width], (left, 0), value=pad_id)
-        response = F.pad(p.response_ids, (0, right), value=pad_id)
-        ids.append(torch.cat([prompt, response], 1))
-        att.append(torch.cat([F.pad(p.attention_mask[:, : p.prompt_width], (left, 0)),
-                              F.pad(p.attention_mask[:, p.prompt_width :], (0, right))], 1))
-        resp_mask.append(F.pad(p.response_mask, (0, right)))
-    versions = None if any(p.version is None for p in parts) else torch.cat([p.version for p in parts])
-    behaviour = None if any(p.behaviour_logp is None for p in parts) else \
-        torch.cat([F.pad(p.behaviour_logp, (0, T - p.behaviour_logp.shape[1])) for p in parts])
-    return LMRollout(torch.cat(ids), torch.cat(att), torch.cat(resp_mask), torch.cat([p.finished for p in parts]),
-                     P, [c for p in parts for c in p.completions], versions, behaviour)
+from regen.policies.lm_rollout import LMRollout, concat_rollouts  # noqa: F401  (re-exported)
 
 
 def max_positions(model) -> int:
