@@ -15,7 +15,7 @@ from regen.config import RLConfig, dump_config
 from regen.data import EpochSampler
 from regen.errors import UserError
 from regen.flow_sft import load_flow_policy, save_media
-from regen.placement import SilentLog, prepare_on_rank0
+from regen.placement import SilentLog, check_split, prepare_on_rank0
 from regen.policies.flow import FlowPolicy
 from regen.policies.flow_lora import (
     BaseView,
@@ -38,7 +38,16 @@ from regen.runtime.offload import PhaseHooks, loop_hooks
 from regen.runtime.optim import make_optimizer
 from regen.runtime.precision import Precision
 from regen.runtime.rundir import mark_running, setup_torch
-from regen.session import RunBooks, begin_rollback, end_rollback, restore_books, resume_state, run_inputs, save_run_checkpoint
+from regen.session import (
+    RunBooks,
+    begin_rollback,
+    end_rollback,
+    restore_books,
+    resume_state,
+    run_inputs,
+    save_on_rank0,
+    save_run_checkpoint,
+)
 
 NFT_OLD, WEIGHT_EMA = "nft_old.safetensors", "weight_ema.safetensors"  # in each checkpoint
 EVAL_SEED_OFFSET = 7919  # held-out samples draw from their own stream: before/after on equal noise
@@ -59,9 +68,7 @@ class FlowRun(RunBooks):
         d = rdist.start(cfg.distributed.mode, cfg.distributed.strategy, cfg.distributed.backend, device)
         if d.sharded:
             raise UserError("distributed.strategy=fsdp: flow models are data parallel with ddp only for now")
-        if d.on and cfg.prompts_per_step % d.world:
-            raise UserError(f"rollout.global_batch_size / group_size = {cfg.prompts_per_step} prompts per step cannot "
-                            f"be split evenly under torchrun with {d.world} processes")
+        check_split(cfg, d)
         reward, prompts, eval_items = run_inputs(cfg)
         f = cfg.flow
         if f.sde_window is not None and f.window_start + f.sde_window > f.steps:
@@ -105,13 +112,9 @@ class FlowRun(RunBooks):
                    Precision(cfg.train.precision, device), d)
 
     def save(self, step: int) -> Path | None:
-        """Rank 0 writes (DDP keeps every rank's weights equal); every rank learns the outcome."""
-        folder = save_run_checkpoint(self, step, self._save_extra, save_model=self._save_model) if self.dist.main \
-            else None
-        folder = self.dist.broadcast_object(folder)
-        if folder is not None and not self.dist.main:
-            self.health.checkpointed()
-        return folder
+        """Rank 0 writes (DDP keeps every rank's weights equal)."""
+        return save_on_rank0(self, lambda: save_run_checkpoint(self, step, self._save_extra,
+                                                               save_model=self._save_model))
 
     def _save_model(self, folder: Path) -> None:
         if self.cfg.model.lora is not None:

@@ -15,6 +15,17 @@ from regen.runtime import dist as rdist
 from regen.runtime.rundir import prepare
 
 
+def check_split(cfg: RLConfig, d: rdist.Dist) -> None:
+    """Under torchrun the groups of a step and the rows of a minibatch must split evenly."""
+    G, mb, W = cfg.prompts_per_step, cfg.train.global_minibatch_size, d.world
+    where = f"under torchrun with {W} processes"
+    if G % W:
+        raise UserError(f"rollout.global_batch_size / group_size = {G} prompts per step cannot be split evenly "
+                        f"{where}: make it a multiple of {W}")
+    if mb % W:
+        raise UserError(f"train.global_minibatch_size={mb} cannot be split evenly {where}")
+
+
 def which_loop(cfg: RLConfig) -> str:
     """'flow', 'dpo' or 'lm': the loop that trains this model with this algorithm, or a clear error."""
     from regen.flow_sft import is_flow_model
@@ -60,13 +71,7 @@ def check_placement(cfg: RLConfig, d: rdist.Dist) -> None:
         raise UserError("rollout.engine=vllm under torchrun: not supported yet; run vllm in one process")
     if not d.on:
         return
-    G, mb, W = cfg.prompts_per_step, t.global_minibatch_size, d.world
-    where = f"under torchrun with {W} processes"
-    if G % W:
-        raise UserError(f"rollout.global_batch_size / group_size = {G} prompts per step cannot be split evenly "
-                        f"{where}: make it a multiple of {W}")
-    if mb % W:
-        raise UserError(f"train.global_minibatch_size={mb} cannot be split evenly {where}")
+    check_split(cfg, d)
     if d.sharded and cfg.model.lora is not None:
         raise UserError("distributed.strategy=fsdp with model.lora: a LoRA adapter is small enough to replicate; "
                         "use distributed.strategy=ddp")
@@ -111,10 +116,8 @@ def data_parallel(policy: LMPolicy, d: rdist.Dist) -> None:
     """Under torchrun: DDP around the trained model, or the model (and reference) sharded by FSDP2."""
     if not d.on:
         return
+    policy.forward_model = d.wrap(policy.model)  # DDP's wrapper, or the model itself sharded in place
     if d.sharded:
-        d.wrap(policy.model)
         if policy.ref is not None:
             d.wrap(policy.ref, trainable=False)
         policy.all_done = lambda done: d.all_true(bool(done.all()))  # same forwards on every rank
-    else:
-        policy.forward_model = d.wrap(policy.model)

@@ -122,18 +122,17 @@ class Session(RunBooks):
         weights, opt_state = d.full_model_state(self.policy.model), d.full_optim_state(self.policy.model, self.opt)
         critic = None if self.critic is None else \
             (d.full_model_state(self.critic.model), d.full_optim_state(self.critic.model, self.critic_opt))
-        folder = None
-        if d.main:
+
+        def write() -> Path | None:
             folder = save_run_checkpoint(
                 self, step, None if critic is None else lambda f: self._save_critic(f, *critic),
                 save_model=None if weights is None else lambda f: self.policy.save_pretrained(f, weights),
                 opt_state=opt_state)
             if folder is not None and self.mirror is not None:
                 self.mirror.submit(folder)  # background upload; failures become alerts
-        folder = d.broadcast_object(folder)  # also: no rank reads a checkpoint before it is complete
-        if folder is not None and not d.main:
-            self.health.checkpointed()
-        return folder
+            return folder
+
+        return save_on_rank0(self, write)
 
     def export(self) -> None:
         """The final model in export/ (rank 0 writes; FSDP2 shards gathered first)."""
@@ -194,6 +193,16 @@ def end_rollback(run, step: int, folder: Path | None) -> None:
     run.health.rolled_back()
     run.alerts.fire(step, "rollback", f"rolled back to {folder.name if folder else 'the starting model'}; "
                     f"learning rate x{run.health.lr_scale:g}", lr_scale=run.health.lr_scale)
+
+
+def save_on_rank0(run, write) -> Path | None:
+    """Run write() (-> the checkpoint folder, or None when it failed) on rank 0 only; every rank
+    learns the outcome, and none reads a checkpoint before it is complete (torchrun)."""
+    d = run.dist
+    folder = d.broadcast_object(write() if d.main else None)
+    if folder is not None and not d.main:
+        run.health.checkpointed()
+    return folder
 
 
 def save_run_checkpoint(run, step: int, save_extra=None, save_model=None, opt_state=None) -> Path | None:
@@ -298,11 +307,7 @@ def _load_critic(cfg: RLConfig, device, state: dict | None, alerts: Alerts, d: r
         folder = None
     critic, d = Critic.load(cfg, device, folder), d or rdist.Dist()
     if d.on:
-        critic.dist = d
-        if d.sharded:
-            d.wrap(critic.model)
-        else:
-            critic.forward_model = d.wrap(critic.model)
+        critic.dist, critic.forward_model = d, d.wrap(critic.model)  # DDP wrapper, or sharded in place
     opt = make_optimizer(critic.model, cfg.optim.model_copy(update={"lr": cfg.critic.lr}))
     saved = None if folder is None else ckpt.load_optimizer(state["folder"], "critic_optimizer")
     if saved is not None:
