@@ -39,7 +39,7 @@ class DistributedConfig(Section):
     max_staleness: int = Field(
         0, ge=0, description="ray: most weight versions a rollout may lag behind the trainer. 0: every batch is "
         "sampled with the current weights. 1: the next batch is sampled while the trainer updates (one step "
-        "off-policy); a batch staler than the bound is thrown away and sampled again."
+        "off-policy); a batch staler than the bound is thrown away and sampled again. Flow models: 0 only."
     )
     max_restarts: int = Field(
         3, ge=0, description="ray: replacements of dead actors allowed per step before the run stops."

@@ -213,8 +213,8 @@ def train_flow(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict
             run.hooks.enter("sample")  # train.offload: optimizer state and idle copies leave the GPU
             items = [run.prompts[i] for i in run.data.take(cfg.prompts_per_step)]
             sde = trained_steps(cfg, step, gen)
-            with run.precision.autocast():  # under torchrun: each rank its groups, gathered
-                batch = sample(policy, items, cfg, gen, sde, run.dist)
+            with run.precision.autocast():  # here (torchrun: each rank its groups), or on Ray actors
+                batch = run.rollout.sample(items, gen, sde)
             t1 = time.perf_counter()
             # 2. score: black-box rewards on the pixels; NaN = missing
             total, parts = run.reward(to_samples(policy, batch, items, n))
@@ -233,7 +233,8 @@ def train_flow(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict
                 if valid.any() else {}
             run.follow(step)  # NFT's old policy and the weight EMA
             t3 = time.perf_counter()
-            # 5. sync: single process, the sampler is the trained model: nothing to move
+            # 5. sync: new weights to the rollout actors (nothing to move when the trained model samples)
+            metrics_sync = run.rollout.sync(step)
             finite = rewards[torch.isfinite(rewards)]
             metrics = {
                 "reward/mean": float(finite.mean()) if len(finite) else float("nan"),
@@ -242,7 +243,7 @@ def train_flow(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict
                 **{f"reward/{k}": float(v) for k, v in adv_m.items() if k in ("zero_std_frac", "missing_frac")},
                 "loss": upd.pop("loss", float("nan")), **upd, "lr": lr, "sde_steps": float(sde.sum()),
                 "time/sample_s": t1 - t0, "time/score_s": t2 - t1, "time/update_s": t3 - t2, "time/step_s": t3 - t0,
-                "throughput/samples_per_s": len(rewards) / (t3 - t0),
+                "throughput/samples_per_s": len(rewards) / (t3 - t0), **metrics_sync, **run.rollout.stats(),
             }
             if run.eval_items and cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
                 metrics.update(run.evaluate(step))

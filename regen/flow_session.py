@@ -14,6 +14,7 @@ from regen.algorithms.flow import ema_update_, nft_ema_decay
 from regen.config import RLConfig, dump_config
 from regen.data import EpochSampler
 from regen.errors import UserError
+from regen.flow_rollout import LocalFlowRollouts
 from regen.flow_sft import load_flow_policy, save_media
 from regen.placement import SilentLog, check_split, prepare_on_rank0
 from regen.policies.flow import FlowPolicy
@@ -61,6 +62,7 @@ class FlowRun(RunBooks):
     hooks: PhaseHooks  # run at each phase change (train.offload parks state)
     precision: Precision  # train.precision: autocast and loss scaling
     dist: rdist.Dist = field(default_factory=rdist.Dist)  # torchrun rank / world size (single: rank 0 of 1)
+    rollout: object = None  # where images are sampled: LocalFlowRollouts or RayFlowRollouts (flow_rollout.py)
 
     @classmethod
     def start(cls, cfg: RLConfig, resume: bool = False, force: bool = False) -> FlowRun:
@@ -106,10 +108,16 @@ class FlowRun(RunBooks):
                                 warn=lambda step, m: alerts.fire(step, "logger_failed", m))
         else:
             cfg.log.progress, log = "none", SilentLog()  # rank 0 reports
-        return cls(cfg, run_dir, policy, opt, data, gen, ShardedReward(reward, d) if d.on else reward, prompts,
-                   eval_items, log, alerts, health, start_step, ref, ema, weight_ema,
-                   loop_hooks(cfg.train.offload, device, [opt], [ref, ema, weight_ema]),
-                   Precision(cfg.train.precision, device), d)
+        if cfg.distributed.mode == "ray":
+            from regen.flow_rollout import RayFlowRollouts
+            from regen.ray_rollout import RayReward
+
+            reward, rollout = RayReward(cfg), RayFlowRollouts(policy, cfg, start_step)
+        else:
+            reward, rollout = ShardedReward(reward, d) if d.on else reward, LocalFlowRollouts(policy, cfg, d)
+        return cls(cfg, run_dir, policy, opt, data, gen, reward, prompts, eval_items, log, alerts, health, start_step,
+                   ref, ema, weight_ema, loop_hooks(cfg.train.offload, device, [opt], [ref, ema, weight_ema]),
+                   Precision(cfg.train.precision, device), d, rollout)
 
     def save(self, step: int) -> Path | None:
         """Rank 0 writes (DDP keeps every rank's weights equal)."""
@@ -150,7 +158,13 @@ class FlowRun(RunBooks):
         for name, net in ((NFT_OLD, self.ema), (WEIGHT_EMA, self.weight_ema)):
             if net is not None:
                 reload_copy(net, self.policy.unet, folder, name, self.alerts)
+        self.rollout.sync(step)  # rollout actors get the restored weights
         end_rollback(self, step, folder)
+
+    def _close_more(self) -> None:
+        self.rollout.close()
+        if hasattr(self.reward, "close"):
+            self.reward.close()
 
     def export(self, folder: Path) -> None:
         """The export folder: the weight EMA when kept, LoRA merged in (loads without peft)."""

@@ -40,9 +40,9 @@ def which_loop(cfg: RLConfig) -> str:
                         f"or awm, not {cfg.algorithm.name}")
     mode = cfg.distributed.mode
     spread = mode in ("torchrun", "ray") or (mode == "auto" and rdist.launched_by_torchrun())
-    if mode == "ray" and flow_model:
-        raise UserError("distributed.mode=ray: language models only for now; flow models run in one process or "
-                        "under torchrun (distributed.mode=torchrun)")
+    if mode == "ray" and flow_model and cfg.distributed.max_staleness > 0:
+        raise UserError("distributed.max_staleness > 0: language models only for now; flow models on Ray sample "
+                        "with the current weights (max_staleness=0)")
     if spread and cfg.algorithm.name == "dpo":
         raise UserError(f"distributed.mode={mode}: DPO trains in one process")
     return "flow" if flow_model else "dpo" if cfg.algorithm.name == "dpo" else "lm"

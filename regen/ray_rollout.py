@@ -122,7 +122,7 @@ class RayRollouts:
         self.data, self.prompts, self.cfg, self.pad_id = data, prompts, cfg, policy.pad_id
         self.bound, self.version = d.max_staleness, version
         self.workers = ActorGroup(RolloutWorker, d.rollout_workers, d.rollout_resources,
-                                  (_for_actors(cfg), d.actor_threads), "regen-rollout", d.max_restarts,
+                                  (for_actors(cfg), d.actor_threads), "regen-rollout", d.max_restarts,
                                   on_new=lambda a: ray.get(a.load_weights.remote(self._weights, self.version)))
         self._weights = None
         self._ahead = None  # (items, uniforms, refs, data and generator state before them)
@@ -213,7 +213,7 @@ class RayReward:
         start_ray(cfg)
         d = cfg.distributed
         self.workers = ActorGroup(RewardWorker, d.reward_workers, d.reward_resources,
-                                  (_for_actors(cfg), d.actor_threads), "regen-reward", d.max_restarts)
+                                  (for_actors(cfg), d.actor_threads), "regen-reward", d.max_restarts)
 
     def __call__(self, samples: list) -> tuple[list[float], dict[str, list[float]]]:
         shares = [(list(s),) for s in _split(samples, len(self.workers.actors))]
@@ -246,7 +246,7 @@ def _first_error_line(e: BaseException) -> str:
     return (causes[-1] if causes else lines[0] if lines else type(e).__name__)[:300]
 
 
-def _for_actors(cfg) -> dict:
+def for_actors(cfg) -> dict:
     """The config tree the actors build from, with a local model.path made absolute (actors on
     other nodes see the same path on a shared filesystem; their working directory may differ)."""
     tree = cfg.model_dump(mode="json")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from regen.cli import main
-from tests.conftest import read_jsonl
+from tests.conftest import BRIGHT, read_jsonl
 
 ray = pytest.importorskip("ray")
 
@@ -110,10 +110,28 @@ def test_a_batch_staler_than_the_bound_is_sampled_again(base_model, tmp_path):
         pool.close()
 
 
-def test_flow_models_are_refused_on_ray(flow_base, tmp_path, capsys):
+@pytest.mark.parametrize("algo", ["nft", "flow_grpo"])
+def test_flow_models_on_rollout_actors_sample_what_one_process_does(algo, flow_base, tmp_path):
+    args = [f"model.path={flow_base}", f"algorithm.name={algo}", "data.train=builtin:shapes:train", "data.eval=null",
+            "rollout.global_batch_size=16", "rollout.group_size=4", "flow.steps=4", "log.progress=none",
+            "log.tensorboard=false", "optim.lr=1e-3", "run.threads=1", "train.steps=4", BRIGHT]
+    one, spread = tmp_path / "one", tmp_path / "ray"
+    assert main(["train", *args, f"run.dir={one}"]) == 0
+    killed: list = []
+    watcher = kill_when(spread, 2, "regen-flow-rollout-1-g0", killed)
+    assert main(["train", *args, f"run.dir={spread}", *RAY]) == 0
+    watcher.join(1)
+    rows, ref = read_jsonl(spread / "metrics.jsonl"), read_jsonl(one / "metrics.jsonl")
+    assert killed and rows[-1]["rollout/worker_restarts"] >= 1
+    # same noise, same weights: the same images, so the same rewards step after step
+    assert [r["reward/mean"] for r in rows] == pytest.approx([r["reward/mean"] for r in ref], rel=1e-5)
+    assert ref[-1]["grad_norm"] > 0
+
+
+def test_flow_models_refuse_stale_rollouts(flow_base, tmp_path, capsys):
     assert main(["train", f"model.path={flow_base}", f"run.dir={tmp_path / 'r'}", "algorithm.name=nft",
-                 "distributed.mode=ray"]) == 2
-    assert "language models only for now; flow models run in one process or under torchrun" in capsys.readouterr().err
+                 "distributed.mode=ray", "distributed.max_staleness=1"]) == 2
+    assert "flow models on Ray sample with the current weights" in capsys.readouterr().err
 
 
 def test_lora_runs_send_only_the_adapter(base_model, tmp_path):
