@@ -18,6 +18,7 @@ import time
 import torch
 
 from regen.policies.flow import FlowPolicy, FlowSample
+from regen.ray_workers import TakesWeights
 from regen.rollout import group_rows
 
 
@@ -40,7 +41,7 @@ class LocalFlowRollouts:
         pass
 
 
-class FlowRolloutWorker:
+class FlowRolloutWorker(TakesWeights):
     """A Ray actor (see regen/ray_workers.py): its own copy of the flow policy."""
 
     def __init__(self, cfg_tree: dict, threads: int):
@@ -55,14 +56,9 @@ class FlowRolloutWorker:
         self.policy = build_policy(self.cfg, device)
         self.policy.unet.eval()
         self.precision = Precision(self.cfg.train.precision, device)
-        self.version = -1
 
-    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> int:
-        _, unexpected = self.policy.unet.load_state_dict(state, strict=False)
-        if unexpected:
-            raise ValueError(f"flow rollout worker: weights it does not have: {unexpected[:3]}")
-        self.version = version
-        return version
+    def trained_net(self) -> torch.nn.Module:
+        return self.policy.unet
 
     def sample(self, prompts: list[str], n: int, gen_state: torch.Tensor, sde: torch.Tensor, rows: torch.Tensor,
                total: int) -> FlowSample:

@@ -19,7 +19,24 @@ def _torch_setup(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-class RolloutWorker:
+class TakesWeights:
+    """What rollout actors share: the trainer's weights arrive with a version."""
+
+    version = -1  # no weights from the trainer yet: sampling refuses until they come
+
+    def trained_net(self) -> torch.nn.Module:
+        raise NotImplementedError
+
+    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> int:
+        """Take the trainer's weights: all of them, or (LoRA) the adapter's tensors only."""
+        _, unexpected = self.trained_net().load_state_dict(state, strict=False)
+        if unexpected:
+            raise ValueError(f"{type(self).__name__}: weights it does not have: {unexpected[:3]}")
+        self.version = version
+        return version
+
+
+class RolloutWorker(TakesWeights):
     def __init__(self, cfg_tree: dict, threads: int):
         from regen.config import RLConfig
         from regen.policies.lm import LMPolicy, apply_lora, load_model_and_tokenizer, resolve_device
@@ -34,15 +51,9 @@ class RolloutWorker:
         self.policy = LMPolicy(model, tok, device)
         self.policy.model.eval()
         self.precision = Precision(self.cfg.train.precision, device)
-        self.version = -1  # no weights from the trainer yet: sampling refuses until they come
 
-    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> int:
-        """Take the trainer's weights: all of them, or (LoRA) the adapter's tensors only."""
-        missing, unexpected = self.policy.model.load_state_dict(state, strict=False)
-        if unexpected:
-            raise ValueError(f"rollout worker: weights it does not have: {unexpected[:3]}")
-        self.version = version
-        return version
+    def trained_net(self) -> torch.nn.Module:
+        return self.policy.model
 
     def sample(self, prompts: list[str], n: int, uniforms: torch.Tensor) -> LMRollout:
         if self.version < 0:
