@@ -13,8 +13,6 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from regen.policies.flow import FlowPolicy, FlowSample
@@ -104,17 +102,12 @@ class RayFlowRollouts:
         return FlowSample.concat(parts).to(self.policy.device)
 
     def sync(self, step: int) -> dict[str, float]:
-        import ray
-
         from regen.policies.flow_lora import trainable_state
 
-        t0 = time.perf_counter()
-        state = {k: v.detach().to("cpu") for k, v in trainable_state(self.policy.unet).items()}
-        self._weights, self.version = ray.put(state), step
-        for i in range(len(self.workers.actors)):  # each actor applies it before its next sample
-            self.workers.call(i, "load_weights", self._weights, step)
-        return {"sync/s": time.perf_counter() - t0,
-                "sync/mb": sum(v.numel() * v.element_size() for v in state.values()) / 1e6}
+        state = {k: v.detach().to("cpu") for k, v in trainable_state(self.policy.unet).items()}  # LoRA: adapter
+        self._weights, metrics = self.workers.push(state, step)
+        self.version = step
+        return metrics
 
     def stats(self) -> dict[str, float]:
         return {"rollout/worker_restarts": float(self.workers.restarts)}

@@ -104,6 +104,19 @@ class ActorGroup:
                     ref = self.call(i, method, *args[i])
         return out
 
+    def push(self, state: dict[str, torch.Tensor], version: int):
+        """Put weights in the object store once and have every actor load them with `version`;
+        not awaited: Ray runs an actor's calls in order, so its next sample sees them. Returns
+        the object reference (for replacements) and the sync metrics."""
+        import ray
+
+        t0 = time.perf_counter()
+        ref = ray.put(state)
+        for i in range(len(self.actors)):
+            self.call(i, "load_weights", ref, version)
+        return ref, {"sync/s": time.perf_counter() - t0,
+                     "sync/mb": sum(v.numel() * v.element_size() for v in state.values()) / 1e6}
+
     def close(self) -> None:
         import ray
 
@@ -144,17 +157,11 @@ class RayRollouts:
         return items, batch
 
     def sync(self, policy, step: int) -> dict[str, float]:
-        import ray
-
-        t0 = time.perf_counter()
-        model = policy.model
-        state = {k: v.detach().to("cpu") for k, v in model.state_dict().items()
+        state = {k: v.detach().to("cpu") for k, v in policy.model.state_dict().items()
                  if not policy.is_lora or "lora_" in k}  # LoRA: only the adapter changes
-        self._weights, self.version = ray.put(state), step
-        for i in range(len(self.workers.actors)):  # not awaited: each actor applies it before its next sample
-            self.workers.call(i, "load_weights", self._weights, step)
-        return {"sync/s": time.perf_counter() - t0, "sync/mb": sum(v.numel() * v.element_size()
-                                                                   for v in state.values()) / 1e6}
+        self._weights, metrics = self.workers.push(state, step)
+        self.version = step
+        return metrics
 
     def old_logprobs(self, batch: LMRollout, recomputed: torch.Tensor | None) -> torch.Tensor | None:
         """The log-probs PPO's ratio is taken against. A batch sampled with older weights than the
