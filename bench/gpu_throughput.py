@@ -1,6 +1,6 @@
 """GPU throughput: GRPO tokens/s on a 0.5B-class causal LM and flow-RL images/s on a 0.6B MMDiT, with peak memory.
 
-Three parts, each regen's own training loop (`regen.loop.train`, the function `python -m regen train`
+Three parts, each regen's own training loop (`regen.train.train`, the function `python -m regen train`
 calls) run in this process on a config built from dotted overrides as on the command line, so that
 the peak memory the loop reached can be read afterwards (regen logs no memory metric):
 
@@ -193,10 +193,10 @@ def peak_gib(device: str) -> float:
 
 
 def run_part(name: str, overrides: list[str], run_dir: Path, device: str, limit_s: float) -> tuple[dict, list[dict]]:
-    """regen.loop.train on the overrides; (call facts, metrics.jsonl rows). Past limit_s a SIGINT asks the loop
+    """regen.train.train on the overrides; (call facts, metrics.jsonl rows). Past limit_s a SIGINT asks the loop
     to finish its step and stop (regen's graceful stop)."""
     from regen.config import RLConfig, load_config
-    from regen.loop import train
+    from regen.train import train
 
     gc.collect()
     if device == "cuda":

@@ -51,7 +51,7 @@ WINDOW = 10  # moving-average window of the per-step mean reward
 #             regen algorithm.overlong, TRL trl.rewards.get_soft_overlong_punishment
 #   dynamic   regen algorithm.dynamic_sampling; TRL has none, so such a row runs regen only
 # GSPO's loss "grpo" is TRL's per-sequence mean (what its docs recommend for GSPO); regen's
-# gspo_loss averages over sequences whatever loss_agg says (loss_agg only shapes a KL term).
+# gspo_loss averages over sequences (loss_agg only shapes a KL or entropy term, and is refused without one).
 _COLUMNS = ("name", "level", "clip", "loss", "beta", "overlong", "dynamic")
 ALGOS: dict[str, dict] = {algo: dict(zip(_COLUMNS, row)) for algo, row in {
     #            name    level       clip          loss    beta  overlong dynamic
@@ -80,7 +80,7 @@ def resolve(a, algo: str) -> dict:
 
 def build_base(workdir: Path, steps: int, threads: int, seed: int) -> str:
     from regen.config import SFTConfig, load_config
-    from regen.sft import sft
+    from regen.offline.sft import sft
 
     cfg = load_config(SFTConfig, None, [
         "model.init=arith-char-gpt2", f"run.dir={workdir / 'sft'}", f"sft.steps={steps}", "run.overwrite=true",
@@ -91,14 +91,18 @@ def build_base(workdir: Path, steps: int, threads: int, seed: int) -> str:
 
 def run_regen(a, spec: dict, base: str, workdir: Path) -> dict:
     from regen.config import RLConfig, load_config
-    from regen.loop import train
     from regen.runtime.metrics import read_metrics
+    from regen.train import train
 
     run_dir = workdir / "regen"
     algo = [f"algorithm.name={spec['name']}", f"algorithm.clip_low={spec['clip'][0]!r}",
-            f"algorithm.clip_high={spec['clip'][1]!r}", f"algorithm.loss_agg={spec['loss_agg']}",
-            f"algorithm.kl_coef={spec['beta']!r}", "algorithm.kl_estimator=k3",
+            f"algorithm.clip_high={spec['clip'][1]!r}", f"algorithm.kl_coef={spec['beta']!r}",
             f"algorithm.dynamic_sampling={str(spec['dynamic']).lower()}"]
+    # keys the method reads only in some settings are refused otherwise (regen/config/reads.py)
+    if spec["beta"] > 0:
+        algo.append("algorithm.kl_estimator=k3")
+    if spec["name"] != "gspo" or spec["beta"] > 0:  # GSPO's aggregation reaches only its KL term
+        algo.append(f"algorithm.loss_agg={spec['loss_agg']}")
     if spec["overlong"]:
         algo.append(f"algorithm.overlong={{max_len: {spec['overlong'][0]}, cache_len: {spec['overlong'][1]}, "
                     "factor: 1.0}")
@@ -118,9 +122,11 @@ def run_regen(a, spec: dict, base: str, workdir: Path) -> dict:
                 "minibatch": cfg.train.global_minibatch_size}
     want = {"name": spec["name"], "clip_low": spec["clip"][0], "clip_high": spec["clip"][1],
             "loss_agg": spec["loss_agg"], "kl_coef": spec["beta"], "kl_estimator": "k3", "advantage": "grpo",
-            "std_normalize": True, "kl_placement": "loss",  # TRL: group-std advantages, KL in the loss
+            "std_normalize": "group", "kl_placement": "loss",  # TRL: group-std advantages, KL in the loss
             "overlong": spec["overlong"] and [*spec["overlong"], 1.0], "dynamic_sampling": spec["dynamic"],
             "ppo_epochs": 1, "minibatch": a.batch}  # one update per batch, as TRL here
+    if spec["name"] == "gspo" and spec["beta"] == 0:
+        want.pop("loss_agg")  # not read (see above)
     bad = {k: (resolved[k], v) for k, v in want.items() if resolved[k] != v}
     if bad:
         raise RuntimeError(f"regen settings differ from the table (got, wanted): {bad}")
@@ -279,7 +285,7 @@ def main() -> None:
     import transformers.models.gpt2.modeling_gpt2  # noqa: F401  (import time off the clocks)
     import trl  # noqa: F401
 
-    import regen.loop  # noqa: F401
+    import regen.train  # noqa: F401
     torch.set_num_threads(a.threads)
     load = [round(os.getloadavg()[0], 2)]
 

@@ -71,3 +71,52 @@ def flow_rl(run, base, algo, *extra) -> int:
                  "eval.samples_per_prompt=2", "rollout.global_batch_size=8", "rollout.group_size=4",
                  "flow.steps=4", "flow.eval_steps=4", "log.progress=none", "log.tensorboard=false",
                  "optim.lr=1e-4", "run.threads=2", BRIGHT, *extra])
+
+
+# --------------------------------------------------------------------------- every modality
+# A guarantee of the loop holds for every modality: tests of one take `job` and run for a
+# language model and a flow model alike.
+
+LM_FAST = ["rollout.global_batch_size=16", "rollout.group_size=4", "rollout.max_new_tokens=4", "log.progress=none",
+           "data.eval=null", "log.tensorboard=false", "optim.lr=1e-3"]
+FLOW_FAST = ["data.train=builtin:shapes:train", "data.eval=null", "rollout.global_batch_size=8",
+             "rollout.group_size=4", "flow.steps=3", "log.progress=none", "log.tensorboard=false", "optim.lr=1e-3",
+             "run.threads=2", "algorithm.name=nft", BRIGHT]
+
+
+class Job:
+    """`regen train` of a tiny language model (GRPO on arithmetic) or flow model (NFT on shapes)."""
+
+    def __init__(self, kind: str, base):
+        self.kind, self.base = kind, str(base)
+
+    def args(self, run, *extra) -> list[str]:
+        return ["train", f"model.path={self.base}", f"run.dir={run}", *(LM_FAST if self.kind == "lm" else FLOW_FAST),
+                *extra]
+
+    def __repr__(self) -> str:
+        return self.kind
+
+
+def export_weights(run: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a run's export/ (language model or flow model), keyed by file and name."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted((run / "export").rglob("*.safetensors")):
+        out.update({f"{f.relative_to(run)}:{k}": v for k, v in load_file(str(f)).items()})
+    return out
+
+
+def same_run(a: Path, b: Path) -> None:
+    """Two runs trained the same weights and logged the same metrics (timings aside)."""
+    wa, wb = export_weights(a), export_weights(b)
+    assert wa.keys() == wb.keys() and wa
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))} for r in rows]  # noqa: E731
+    assert strip(read_jsonl(a / "metrics.jsonl")) == strip(read_jsonl(b / "metrics.jsonl"))
+
+
+@pytest.fixture(params=["lm", "flow"])
+def job(request) -> Job:
+    return Job(request.param, request.getfixturevalue("base_model" if request.param == "lm" else "flow_base"))

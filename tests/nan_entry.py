@@ -4,11 +4,11 @@ processes it starts. Usage: python tests/nan_entry.py 9,10,11 train ARGS..."""
 
 import sys
 
-import regen.loop
+import regen.modalities.lm
 from regen.cli import main
 from tests.conftest import NaNAt
 
 if __name__ == "__main__":
     calls = {int(c) for c in sys.argv[1].split(",")}
-    regen.loop.POLICY_LOSSES["grpo"] = NaNAt(regen.loop.POLICY_LOSSES["grpo"], calls)
+    regen.modalities.lm.POLICY_LOSSES["grpo"] = NaNAt(regen.modalities.lm.POLICY_LOSSES["grpo"], calls)
     raise SystemExit(main(sys.argv[2:]))

@@ -244,3 +244,31 @@ def test_fully_masked_batch_gives_zero_loss_and_gradient_no_nan(loss_fn):
     assert all(torch.isfinite(v).all() for v in m.values())
     loss.backward()
     close(logp.grad, [[0.0, 0.0], [0.0, 0.0]])
+
+
+def test_gspo_entropy_bonus_is_subtracted_with_the_token_aggregation():
+    # ratio 1 (logp = old): the policy term is mean_i(-A_i) = (-1 + 2) / 2 = 0.5; the entropy
+    # token-mean over the 3 valid tokens is (0.5 + 1.5 + 2.0) / 3 = 4/3, so L = 0.5 - 0.1 * 4/3
+    logp = torch.zeros(2, 3)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    entropy = torch.tensor([[0.5, 1.5, 9.0], [2.0, 9.0, 9.0]], requires_grad=True)
+    loss, _ = gspo_loss(logp, logp, torch.tensor([1.0, -2.0]), mask, agg="token-mean", entropy=entropy,
+                        entropy_coef=0.1)
+    close(loss, 0.5 - 0.1 * 4 / 3)
+    loss.backward()
+    close(entropy.grad, -0.1 / 3 * mask)
+    with pytest.raises(ValueError, match="dual_clip"):
+        gspo_loss(logp, logp, torch.tensor([1.0, -2.0]), mask, dual_clip=3.0)
+
+
+def test_grpo_advantages_with_the_batch_std():
+    # groups [1, 2] and [3, 5]: centred [-0.5, 0.5, -1, 1]; the batch's rewards 1, 2, 3, 5 have
+    # mean 2.75, squared deviations 3.0625 + 0.5625 + 0.0625 + 5.0625 = 8.75, unbiased var 8.75 / 3
+    from regen.algorithms.advantages import grpo_advantages
+
+    adv, valid, _ = grpo_advantages(torch.tensor([1.0, 2.0, 3.0, 5.0]), 2, std_normalize="batch")
+    s = math.sqrt(8.75 / 3) + 1e-6
+    close(adv, [-0.5 / s, 0.5 / s, -1 / s, 1 / s])
+    assert valid.all()
+    with pytest.raises(ValueError, match="std_normalize"):
+        grpo_advantages(torch.tensor([1.0, 2.0]), 2, std_normalize="per-token")

@@ -6,7 +6,7 @@ import pytest
 from regen.cli import main
 from regen.config import TaskConfig
 from regen.data import load_pairs, load_prompts
-from regen.data_hf import parse_spec
+from regen.data.hf import parse_spec
 from regen.errors import DataError
 from tests.conftest import read_jsonl
 

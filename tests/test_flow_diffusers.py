@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from regen.config import RLConfig
-from regen.config_load import load_config
+from regen.config.load import load_config
 from regen.errors import UserError
-from regen.flow_sft import is_flow_model, load_flow_policy
+from regen.policies.flow_load import is_flow_model, load_flow_policy
 from regen.policies.flow_sd3 import SD3FlowPolicy, tiny_sd3
 from regen.policies.flow_wan import WanFlowPolicy, tiny_wan
 
@@ -50,7 +50,7 @@ def test_tiny_folder_loads_through_the_config_and_samples(folders, kind):
     from diffusers import DiffusionPipeline
 
     from regen.data import PromptItem
-    from regen.flow_loop import to_samples
+    from regen.modalities.flow import to_samples
 
     folder = folders[kind]
     assert is_flow_model(model_cfg(folder))
@@ -298,7 +298,7 @@ def rl_config(folder, run, algo, prompts, *extra):
 def test_rl_end_to_end(folders, tmp_path, kind, algo):
     from safetensors.torch import load_file
 
-    from regen.loop import train
+    from regen.train import train
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in [*PROMPTS, "a green triangle", "a cat"]))
@@ -327,12 +327,12 @@ def test_lora_on_sd3_trains_the_adapter_and_exports_a_merged_pipeline(folders, t
     export/ is a full pipeline folder whose adapted weights are W + (alpha / r) B A."""
     from safetensors.torch import load_file
 
-    from regen.loop import train
+    from regen.train import train
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     run = tmp_path / "run"
-    train(rl_config(folders["sd3"], run, "flow_grpo", prompts, "model.lora={r: 2, alpha: 4}", "flow.kl_coef=0.1"))
+    train(rl_config(folders["sd3"], run, "flow_grpo", prompts, "model.lora={r: 2, alpha: 4}", "algorithm.kl_coef=0.1"))
     model = run / "checkpoints" / "step_00000002" / "model"
     assert sorted(p.name for p in model.iterdir()) == ["lora.json", "lora.safetensors"]
     adapter = load_file(str(model / "lora.safetensors"))

@@ -51,7 +51,7 @@ def test_per_group_std_advantage_and_clip():
 
 
 def test_global_std_divides_by_the_std_of_the_whole_batch():
-    adv, _, _ = flow_group_advantages(REWARDS, 4, global_std=True)
+    adv, _, _ = flow_group_advantages(REWARDS, 4, std_normalize="batch")
     # batch mean 10/8 = 1.25; squared deviations .0625 1.5625 1.5625 .0625 3.0625 .0625 .5625 .5625
     # sum 7.5, unbiased var 7.5/7 -> std 1.035098; centred [.5,-.5,-.5,.5,1,-1,0,0]
     s = math.sqrt(7.5 / 7) + EPS
@@ -60,7 +60,7 @@ def test_global_std_divides_by_the_std_of_the_whole_batch():
 
 def test_global_std_clip_and_zero_std_groups():
     rewards = torch.tensor([0.0, 1.0] + [0.0, 0.0] * 7)  # 8 groups of 2, only the first varies
-    adv, _, m = flow_group_advantages(rewards, 2, global_std=True, clip=1.5)
+    adv, _, m = flow_group_advantages(rewards, 2, std_normalize="batch", clip=1.5)
     # mean 1/16; sum sq = 15 * (1/16)^2 + (15/16)^2 = 0.9375; var 0.9375/15 = 0.0625 -> std 0.25
     # first group centred +-0.5 -> +-0.5/0.250001 = +-1.999992 -> clipped to +-1.5; flat groups 0
     close(adv, [-1.5, 1.5] + [0.0] * 14)
@@ -71,7 +71,7 @@ def test_global_std_clip_and_zero_std_groups():
 @pytest.mark.parametrize("global_std", [False, True])
 def test_all_equal_rewards_in_a_group_give_exactly_zero_advantage(global_std):
     adv, valid, _ = flow_group_advantages(torch.tensor([0.7, 0.7, 0.7, 0.7, 1.0, 0.0, 1.0, 0.0]), 4,
-                                          global_std=global_std)
+                                          std_normalize="batch" if global_std else "group")
     assert adv[:4].tolist() == [0.0] * 4
     assert valid.all()
     assert (adv[4:] != 0).all()
@@ -79,7 +79,7 @@ def test_all_equal_rewards_in_a_group_give_exactly_zero_advantage(global_std):
 
 def test_missing_reward_is_excluded_not_zero():
     rewards = torch.tensor([1.0, NAN, 0.0, 2.0, 4.0, 4.0])  # groups of 2: [1, NaN] [0, 2] [4, 4]
-    adv, valid, m = flow_group_advantages(rewards, 2, global_std=True)
+    adv, valid, m = flow_group_advantages(rewards, 2, std_normalize="batch")
     # [1, NaN] has one valid reward -> dropped; global std over the valid [0, 2, 4, 4]: mean 2.5,
     # sq dev 6.25 .25 2.25 2.25 = 11, var 11/3 -> std 1.914854. (A NaN read as 0 would keep the
     # first group as [1, 0] and change the std.)

@@ -26,7 +26,7 @@ def test_per_step_methods_start_exactly_on_policy(flow_base, tmp_path, algo):
 
 
 def test_flow_grpo_kl_and_two_epochs(flow_base, tmp_path):
-    assert rl(tmp_path / "kl", flow_base, "flow_grpo", "train.steps=2", "flow.kl_coef=0.1", "train.ppo_epochs=2",
+    assert rl(tmp_path / "kl", flow_base, "flow_grpo", "train.steps=2", "algorithm.kl_coef=0.1", "train.ppo_epochs=2",
               "train.global_minibatch_size=4", "optim.lr=1e-3") == 0
     rows = [r for r in read_jsonl(tmp_path / "kl" / "metrics.jsonl") if "reward/mean" in r]
     assert all(r["kl"] >= 0 for r in rows) and rows[-1]["kl"] > 0  # the policy moved away from the base
@@ -69,7 +69,7 @@ def test_ode_methods_raise_the_reward(flow_base, tmp_path, algo):
 
 
 def test_model_and_method_must_match(flow_base, base_model, tmp_path, capsys):
-    assert rl(tmp_path / "x", flow_base, "grpo", "train.steps=1") == 2
-    assert "flow-matching model" in capsys.readouterr().err
+    assert main(["train", f"model.path={flow_base}", "algorithm.name=grpo", f"run.dir={tmp_path / 'x'}"]) == 2
+    assert "is a flow-matching model" in capsys.readouterr().err
     assert main(["train", f"model.path={base_model}", "algorithm.name=nft", f"run.dir={tmp_path / 'y'}"]) == 2
     assert "language model" in capsys.readouterr().err

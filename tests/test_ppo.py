@@ -7,8 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import regen.loop
-import regen.session
+import regen.modalities.lm
 from regen.cli import main
 from tests.conftest import read_jsonl
 from tests.test_reliability import NaNAt
@@ -91,17 +90,17 @@ def test_critic_from_a_causal_lm_folder_and_bad_paths(base_model, tmp_path, caps
 
 
 def test_ppo_rollback_restores_policy_and_critic(base_model, tmp_path, monkeypatch):
-    monkeypatch.setitem(regen.loop.POLICY_LOSSES, "ppo", NaNAt(regen.loop.POLICY_LOSSES["ppo"], {5, 6, 7}))
+    monkeypatch.setitem(regen.modalities.lm.POLICY_LOSSES, "ppo", NaNAt(regen.modalities.lm.POLICY_LOSSES["ppo"], {5, 6, 7}))
     run = tmp_path / "rb"
     restored = []
-    real = regen.session._load_critic
+    real = regen.modalities.lm.load_critic
 
     def spy(cfg, device, state, alerts, *rest):
         out = real(cfg, device, state, alerts, *rest)
         restored.append(None if state is None else state["folder"].name)
         return out
 
-    monkeypatch.setattr(regen.session, "_load_critic", spy)
+    monkeypatch.setattr(regen.modalities.lm, "load_critic", spy)
     assert ppo(run, base_model, "train.steps=8", "checkpoint.every=2", "health.rollback_after_nonfinite=3") == 0
     kinds = [a["kind"] for a in read_jsonl(run / "alerts.jsonl")]
     assert "rollback" in kinds

@@ -82,30 +82,30 @@ def test_one_step_off_policy_never_exceeds_the_bound(base_model, tmp_path):
 def test_a_batch_staler_than_the_bound_is_sampled_again(base_model, tmp_path):
     from regen.config import RLConfig, load_config
     from regen.data import EpochSampler, load_prompts
-    from regen.policies.lm import LMPolicy, load_model_and_tokenizer
-    from regen.ray_rollout import RayRollouts
+    from regen.modalities.lm import LMModality
+    from regen.placement.ray import RayRollouts
+    from regen.runtime.dist import Dist
 
     cfg = load_config(RLConfig, None, [f"model.path={base_model}", *LEARN, *RAY, "distributed.max_staleness=1"])
-    model, tok = load_model_and_tokenizer(cfg.model, cfg.task, 0)
-    policy = LMPolicy(model, tok, torch.device("cpu"))
+    m = LMModality(cfg, torch.device("cpu"), Dist())
     prompts = load_prompts(cfg.data.train, cfg.task, "data.train", False, cfg.data.columns)
-    pool = RayRollouts(policy, EpochSampler(len(prompts), 0), prompts, cfg, version=0)
+    pool = RayRollouts(m, EpochSampler(len(prompts), 0), prompts, cfg, version=0)
     try:
         gen = torch.Generator().manual_seed(0)
-        _, first = pool.next(gen)  # version 0; the next batch is requested now, with version 0
-        assert first.version.tolist() == [0] * 32
-        pool.sync(policy, 1)
-        pool.sync(policy, 2)  # the trainer moved two versions on: the batch sampled ahead lags 2 > 1
-        items, batch = pool.next(gen)
+        _, first = pool.next(1, gen)  # version 0; the next batch is requested now, with version 0
+        assert first.version.tolist() == [0] * 32 and not pool.stale(first)
+        pool.sync(1)
+        pool.sync(2)  # the trainer moved two versions on: the batch sampled ahead lags 2 > 1
+        items, batch = pool.next(2, gen)
         assert pool.discarded == 1 and batch.version.tolist() == [2] * 32
         assert len(items) == 4 and len(batch.completions) == 32
         # PPO's old log-probs: the trainer's own for a current batch, the actors' for a late one
-        mine = torch.zeros_like(batch.response_mask)
-        assert pool.old_logprobs(batch, mine) is mine
-        pool.sync(policy, 3)
-        behaviour = pool.old_logprobs(batch, mine)
-        m = batch.response_mask.bool()
-        torch.testing.assert_close(behaviour[m], policy.token_logprobs(batch, 1.0)[0][m], atol=1e-5, rtol=1e-5)
+        assert not pool.stale(batch)
+        pool.sync(3)
+        assert pool.stale(batch)
+        behaviour = m.behaviour_terms(batch, {"old_logp": None, "ref_logp": None})["old_logp"]
+        mask = batch.response_mask.bool()
+        torch.testing.assert_close(behaviour[mask], m.policy.token_logprobs(batch, 1.0)[0][mask], atol=1e-5, rtol=1e-5)
     finally:
         pool.close()
 
@@ -118,7 +118,7 @@ def test_flow_models_on_rollout_actors_sample_what_one_process_does(algo, flow_b
     one, spread = tmp_path / "one", tmp_path / "ray"
     assert main(["train", *args, f"run.dir={one}"]) == 0
     killed: list = []
-    watcher = kill_when(spread, 2, "regen-flow-rollout-1-g0", killed)
+    watcher = kill_when(spread, 2, "regen-rollout-1-g0", killed)
     assert main(["train", *args, f"run.dir={spread}", *RAY]) == 0
     watcher.join(1)
     rows, ref = read_jsonl(spread / "metrics.jsonl"), read_jsonl(one / "metrics.jsonl")
@@ -128,10 +128,23 @@ def test_flow_models_on_rollout_actors_sample_what_one_process_does(algo, flow_b
     assert ref[-1]["grad_norm"] > 0
 
 
-def test_flow_models_refuse_stale_rollouts(flow_base, tmp_path, capsys):
-    assert main(["train", f"model.path={flow_base}", f"run.dir={tmp_path / 'r'}", "algorithm.name=nft",
-                 "distributed.mode=ray", "distributed.max_staleness=1"]) == 2
-    assert "flow models on Ray sample with the current weights" in capsys.readouterr().err
+def test_flow_models_sampled_one_step_ahead_train_on_the_behaviour_policy(flow_base, tmp_path):
+    # flow_dppo over 2 epochs reads both behaviour terms of a late batch: the SDE steps' log-probs
+    # (the ratio) and their Gaussian means (the KL trust region)
+    args = [f"model.path={flow_base}", "algorithm.name=flow_dppo", "data.train=builtin:shapes:train",
+            "data.eval=null", "rollout.global_batch_size=8", "rollout.group_size=4", "flow.steps=3",
+            "train.ppo_epochs=2", "log.progress=none", "log.tensorboard=false", "optim.lr=1e-2", "run.threads=1",
+            BRIGHT, *RAY, "distributed.max_staleness=1"]
+    run, again = tmp_path / "ahead", tmp_path / "again"
+    assert main(["train", *args, f"run.dir={run}", "train.steps=4", "checkpoint.every=2"]) == 0
+    rows = read_jsonl(run / "metrics.jsonl")
+    # sampled during the previous update (one version behind), except at the start and after a
+    # checkpoint (the batch sampled ahead is dropped, so the checkpoint resumes exactly)
+    assert [r["rollout/staleness"] for r in rows] == [0, 1, 0, 1]
+    assert all(r["ratio_mean"] != 1.0 for r in rows[1::2])  # late batches: ratio to the sampling weights
+    assert main(["train", *args, f"run.dir={again}", "train.steps=2"]) == 0
+    assert main(["train", *args, f"run.dir={again}", "train.steps=4", "checkpoint.every=2"]) == 0
+    assert [r["reward/mean"] for r in read_jsonl(again / "metrics.jsonl")] == [r["reward/mean"] for r in rows]
 
 
 def test_lora_runs_send_only_the_adapter(base_model, tmp_path):

@@ -242,31 +242,3 @@ def test_training_survives_a_server_that_dies_and_returns(base_model, tmp_path):
     assert state["reward_versions"] == {"remote": "unversioned"}  # the served function's version
 
 
-def test_run_stops_with_checkpoint_when_no_score_comes_back(base_model, tmp_path, capsys):
-    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    assert _train(base_model, tmp_path, url, "train.steps=20", "health.stop_after_unscored_steps=3") == 2
-    assert "no reward came back for 3 consecutive steps" in capsys.readouterr().err
-    assert (tmp_path / "checkpoints" / "step_00000003").is_dir()
-    assert "run_stopped" in {a["kind"] for a in read_jsonl(tmp_path / "alerts.jsonl")}
-
-
-def test_resume_alerts_when_the_scorer_version_changed(base_model, tmp_path, monkeypatch):
-    (tmp_path / "versioned.py").write_text(
-        "import os\n"
-        "from regen.rewards.builtin import exact_match\n"
-        "def score(samples):\n    return exact_match(samples)\n"
-        "score.version = os.environ['SCORER_VERSION']\n"
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    run = tmp_path / "run"
-    args = ["train", f"model.path={base_model}", f"run.dir={run}", "log.progress=none", "data.eval=null",
-            "rollout.global_batch_size=8", "rollout.group_size=4", "reward=[{name: 'versioned:score'}]"]
-    monkeypatch.setenv("SCORER_VERSION", "1")
-    assert main([*args, "train.steps=2"]) == 0
-    state = json.loads((run / "checkpoints" / "step_00000002" / "state.json").read_text())
-    assert state["reward_versions"] == {"versioned:score": "1"}
-    sys.modules.pop("versioned", None)
-    monkeypatch.setenv("SCORER_VERSION", "2")
-    assert main([*args, "train.steps=3", "--resume"]) == 0
-    alerts = read_jsonl(run / "alerts.jsonl")
-    assert [a["kind"] for a in alerts] == ["scorer_version_changed"] and alerts[0]["step"] == 3

@@ -3,7 +3,7 @@ from safetensors.torch import load_file
 
 from regen.cli import main
 from regen.data import Demo
-from regen.sft import IGNORE, encode_demos
+from regen.offline.sft import IGNORE, encode_demos
 from regen.tasks.arithmetic import build_tokenizer
 from tests.conftest import read_jsonl
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-import regen.loop
+import regen.modalities.lm
 from regen.cli import main
 from tests.conftest import BRIGHT, NaNAt, read_jsonl
 from tests.test_train_e2e import ENDS_EVEN, FAST
@@ -114,7 +114,8 @@ def test_rollback_under_torchrun_matches_one_process(strategy, base_model, tmp_p
     # every loss of steps 3 and 4 is NaN (4 minibatches a step): two unhealthy steps roll back to step 2
     nan_calls = range(9, 17)
     health = ["train.steps=6", "checkpoint.every=2", "health.rollback_after_nonfinite=2"]
-    monkeypatch.setitem(regen.loop.POLICY_LOSSES, "grpo", NaNAt(regen.loop.POLICY_LOSSES["grpo"], set(nan_calls)))
+    losses = regen.modalities.lm.POLICY_LOSSES
+    monkeypatch.setitem(losses, "grpo", NaNAt(losses["grpo"], set(nan_calls)))
     one, two = tmp_path / "one", tmp_path / "two"
     assert single(one, base_model, *health) == 0
     out = torchrun(two, base_model, *health, f"distributed.strategy={strategy}",
@@ -128,17 +129,19 @@ def test_rollback_under_torchrun_matches_one_process(strategy, base_model, tmp_p
     assert_same_weights(two / "export", one / "export", base_model)
 
 
-@pytest.mark.parametrize("algo", ["nft", "flow_grpo"])
-def test_flow_models_train_the_same_weights_on_two_processes(algo, flow_base, tmp_path):
-    # 4 prompts x 4 images a step, minibatches of 8 over 2 epochs; flow_grpo with its KL reference
+@pytest.mark.parametrize("algo,strategy", [("nft", "ddp"), ("flow_grpo", "ddp"), ("nft", "fsdp"), ("flow_grpo", "fsdp")])
+def test_flow_models_train_the_same_weights_on_two_processes(algo, strategy, flow_base, tmp_path):
+    # 4 prompts x 4 images a step, minibatches of 8 over 2 epochs; flow_grpo with its KL reference,
+    # nft with its EMA old policy (both sharded alike under FSDP2) and a weight EMA
     args = [f"model.path={flow_base}", f"algorithm.name={algo}", "data.train=builtin:shapes:train", "data.eval=null",
             "rollout.global_batch_size=16", "rollout.group_size=4", "train.global_minibatch_size=8",
             "train.ppo_epochs=2", "flow.steps=4", "log.progress=none", "log.tensorboard=false", "optim.lr=1e-3",
-            "run.threads=1", "train.steps=3", "flow.kl_coef=0.01", BRIGHT]
+            "run.threads=1", "train.steps=3", BRIGHT,
+            *(["algorithm.kl_coef=0.01"] if algo == "flow_grpo" else ["flow.weight_ema=0.5", "flow.ema_rate=0.2"])]
     one, two = tmp_path / "one", tmp_path / "two"
     assert main(["train", *args, f"run.dir={one}", "distributed.mode=single"]) == 0
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "regen", "train",
-           *args, f"run.dir={two}", "distributed.mode=torchrun"]
+           *args, f"run.dir={two}", "distributed.mode=torchrun", f"distributed.strategy={strategy}"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     rows, ref = read_jsonl(two / "metrics.jsonl"), read_jsonl(one / "metrics.jsonl")

@@ -5,8 +5,8 @@ import torch
 
 from regen.cli import main
 from regen.config import ModelConfig, TaskConfig
+from regen.placement.vllm import build_rollout
 from regen.policies.lm import LMPolicy, load_model_and_tokenizer
-from regen.vllm_engine import build_rollout
 
 
 def test_vllm_engine_missing_is_a_clear_error(base_model, tmp_path, capsys):

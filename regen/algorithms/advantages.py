@@ -6,12 +6,14 @@ import torch
 
 
 def grpo_advantages(
-    rewards: torch.Tensor, group_size: int, std_normalize: bool = True, eps: float = 1e-6, **_: object
+    rewards: torch.Tensor, group_size: int, std_normalize: bool | str = True, eps: float = 1e-6, **_: object
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Group-relative advantage (GRPO, Shao et al. 2024, §4.1.2).
 
-        A_i = (R_i - mean_g R) / (std_g R + eps)     (std_normalize=True)
-        A_i =  R_i - mean_g R                        (std_normalize=False, as in Dr.GRPO)
+        A_i = (R_i - mean_g R) / (std_g R + eps)     (std_normalize="group" or True)
+        A_i = (R_i - mean_g R) / (std_B R + eps)     (std_normalize="batch": the std of all kept
+                                                      rewards of the batch, Flow-GRPO's global std)
+        A_i =  R_i - mean_g R                        (std_normalize="none" or False, as in Dr.GRPO)
 
     rewards: (B,) with B = G * group_size, samples of a group consecutive. NaN marks a
     *missing* reward (the scorer failed): it is excluded from its group's mean and std and
@@ -35,7 +37,17 @@ def grpo_advantages(
     centred = torch.where(present, r - mean, torch.zeros_like(r))
     var = centred.pow(2).sum(1, keepdim=True) / (count - 1).clamp(min=1)
     std = var.sqrt()
-    adv = centred / (std + eps) if std_normalize else centred
+    mode = {True: "group", False: "none"}.get(std_normalize, std_normalize) if isinstance(std_normalize, bool) \
+        else std_normalize
+    if mode == "group":
+        adv = centred / (std + eps)
+    elif mode == "batch":
+        kept = r[present & keep_group]
+        adv = centred / ((kept.std() if kept.numel() >= 2 else torch.zeros((), dtype=r.dtype)) + eps)
+    elif mode == "none":
+        adv = centred
+    else:
+        raise ValueError(f"std_normalize must be group, batch or none, got {std_normalize!r}")
     # "all rewards equal" by max == min, not std == 0: a float mean of equal values can be
     # off by an ulp and leave a std of 1e-17 (and an advantage of 1e-11 instead of 0)
     hi = torch.where(present, r, torch.full_like(r, -torch.inf)).amax(1)

@@ -51,28 +51,25 @@ def _sample_mean(per_sample: torch.Tensor, valid: torch.Tensor, denoms: dict[str
 
 
 def flow_group_advantages(
-    rewards: torch.Tensor, group_size: int, global_std: bool = False, clip: float | None = 5.0,
+    rewards: torch.Tensor, group_size: int, std_normalize: str = "group", clip: float | None = 5.0,
     eps: float = 1e-6, **_: object,
 ) -> tuple[torch.Tensor, torch.Tensor, Metrics]:
     """Flow-GRPO's advantage (Liu et al. 2025, GRPO's group advantage, with the public code's options):
 
         A_i = clip( (R_i - mean_g R) / (std + eps), -clip, +clip )
-        std = std_g R (per group)   or   std over the whole batch (global_std=True)
+        std = std_g R (per group, "group"), the std over the whole batch ("batch", the public
+              code's global std), or none (1, "none")
 
-    rewards (B,), groups of `group_size` consecutive samples. Missing (NaN) rewards and groups
-    with fewer than two valid rewards are excluded exactly as in `grpo_advantages` (reused
-    here); the global std is taken over the valid rewards only. Both stds are unbiased (n-1),
-    as in grpo_advantages; the public flow_grpo code uses np.std (divides by n) and eps = 1e-4,
-    so its advantages are larger by sqrt(n/(n-1)) - a constant factor, not a different direction.
+    rewards (B,), groups of `group_size` consecutive samples: `grpo_advantages` (reused here)
+    excludes missing (NaN) rewards and groups with fewer than two valid rewards; the batch std
+    is taken over the valid rewards only. Both stds are unbiased (n-1); the public flow_grpo
+    code uses np.std (divides by n) and eps = 1e-4, so its advantages are larger by
+    sqrt(n/(n-1)) - a constant factor, not a different direction.
     Returns (adv (B,), valid (B,) bool, metrics); metrics add `adv_clip_frac`, the fraction
     of valid samples whose advantage was clipped.
     """
-    centred, valid, metrics = grpo_advantages(rewards, group_size, std_normalize=not global_std, eps=eps)
+    centred, valid, metrics = grpo_advantages(rewards, group_size, std_normalize=std_normalize, eps=eps)
     adv = centred.to(torch.float64)
-    if global_std:
-        kept = rewards.to(torch.float64)[valid]
-        std = kept.std() if kept.numel() >= 2 else torch.zeros((), dtype=torch.float64)
-        adv = adv / (std + eps)
     if clip is not None:
         metrics["adv_clip_frac"] = ((adv.abs() > clip) & valid).sum().float() / valid.sum().clamp(min=1)
         adv = adv.clamp(-clip, clip)
@@ -108,13 +105,17 @@ def gaussian_mean_kl(
 
 def flow_grpo_loss(
     logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, clip_range: float = 1e-4,
-    kl: torch.Tensor | None = None, kl_coef: float = 0.0, denoms: dict[str, float] | None = None, **_: object,
+    kl: torch.Tensor | None = None, kl_coef: float = 0.0, denoms: dict[str, float] | None = None,
+    clip_high: float | None = None, **_: object,
 ) -> tuple[torch.Tensor, Metrics]:
     """Flow-GRPO (Liu et al. 2025, "Training Flow Matching Models via Online RL"): the PPO clipped
     objective over SDE denoising steps,
 
         rho = exp(logp - old_logp)          (per (sample, step), log-ratio clamped to +-20)
-        L   = mean_{valid (i, k)} max(-A_i rho, -A_i clip(rho, 1-eps, 1+eps))  +  beta * mean KL_ik
+        L   = mean_{valid (i, k)} max(-A_i rho, -A_i clip(rho, 1-eps, 1+eps_high))  +  beta * mean KL_ik
+
+    eps = clip_range, eps_high = clip_high (default: eps, the paper's symmetric clip; DAPO's
+    clip-higher is the asymmetric option, as for language models).
 
     the same clipped loss as token-level GRPO (ppo_clip_loss, reused) with T = steps and a
     token-mean over (sample, step). logp, old_logp (B, S); adv (B,) or (B, S); mask (B, S)
@@ -124,8 +125,8 @@ def flow_grpo_loss(
     1e-3 learned twice as fast on our toy task). Metrics: clip_frac, ratio_mean, approx_kl,
     pg_loss, kl (when given), loss.
     """
-    loss, metrics = ppo_clip_loss(_hi(logp), _hi(old_logp), adv, mask, clip_range, clip_range, "token-mean",
-                                  denoms=denoms)
+    high = clip_range if clip_high is None else clip_high
+    loss, metrics = ppo_clip_loss(_hi(logp), _hi(old_logp), adv, mask, clip_range, high, "token-mean", denoms=denoms)
     if kl is not None:
         kl_mean = aggregate(kl, mask, "token-mean", denoms=denoms)
         metrics["kl"] = kl_mean.detach()

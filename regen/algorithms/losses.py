@@ -114,6 +114,15 @@ def _with_kl(loss, metrics, logp, ref_logp, mask, kl_coef, kl_estimator, agg, no
     return loss + kl_coef * kl if kl_coef > 0 else loss
 
 
+def _with_entropy(loss, entropy, entropy_coef, mask, agg, norm, denoms, who: str):
+    """loss - entropy_coef * agg(H_t): the entropy bonus (PPO, Schulman et al. 2017, eq. 9)."""
+    if entropy_coef <= 0:
+        return loss
+    if entropy is None:
+        raise ValueError(f"{who}: entropy_coef > 0 needs the per-token entropy")
+    return loss - entropy_coef * aggregate(entropy, mask, agg, norm, denoms)
+
+
 def grpo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -142,10 +151,7 @@ def grpo_loss(
     """
     loss, metrics = ppo_clip_loss(logp, old_logp, adv, mask, clip_low, clip_high, agg, norm, dual_clip, denoms)
     loss = _with_kl(loss, metrics, logp, ref_logp, mask, kl_coef, kl_estimator, agg, norm, denoms, "grpo_loss")
-    if entropy_coef > 0:
-        if entropy is None:
-            raise ValueError("grpo_loss: entropy_coef > 0 needs the per-token entropy")
-        loss = loss - entropy_coef * aggregate(entropy, mask, agg, norm, denoms)
+    loss = _with_entropy(loss, entropy, entropy_coef, mask, agg, norm, denoms, "grpo_loss")
     metrics["loss"] = loss.detach()
     return loss, metrics
 
@@ -163,17 +169,24 @@ def gspo_loss(
     agg: str = "seq-mean-token-mean",
     norm: float | None = None,
     denoms: dict[str, float] | None = None,
-    **_: object,
+    dual_clip: float | None = None,
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO (Zheng et al. 2025, eqs. 5-7): one importance ratio per sequence, length-normalised,
 
         s_i = exp( (1/|y_i|) * sum_t (logp_t - old_logp_t) )
         L   = mean_i  max(-A_i * s_i, -A_i * clip(s_i, 1 - eps_low, 1 + eps_high))
+              + beta * agg( KL_t ) - entropy_coef * agg( H_t )
 
     adv: (B,) (or (B, T), of which position 0 is used). Sequences without valid tokens are
     left out. Ranges are tiny (3e-4 / 4e-4 in the paper) because s_i is a geometric mean.
-    An optional KL term uses `agg` over tokens as in grpo_loss.
+    The optional KL and entropy terms are per token, reduced with `agg` as in grpo_loss (the
+    entropy bonus is PPO's, eq. 9; the paper has neither). Dual-clip bounds a token-level
+    ratio and has no sequence-level form here: dual_clip must be None.
     """
+    if dual_clip is not None:
+        raise ValueError("gspo_loss: dual_clip is a token-level PPO option; GSPO clips one ratio per sequence")
     if adv.dim() == 2:
         adv = adv[:, 0]
     m = mask.to(logp.dtype)
@@ -195,6 +208,7 @@ def gspo_loss(
             "approx_kl": masked_mean(torch.exp(-log_ratio) - 1.0 + log_ratio, m),
         }
     loss = _with_kl(loss, metrics, logp, ref_logp, mask, kl_coef, kl_estimator, agg, norm, denoms, "gspo_loss")
+    loss = _with_entropy(loss, entropy, entropy_coef, mask, agg, norm, denoms, "gspo_loss")
     metrics["loss"] = loss.detach()
     return loss, metrics
 

@@ -60,23 +60,42 @@ class FlowSample:
     states: torch.Tensor | None = None  # (B, S+1, *x0.shape[1:]) the trajectory (SDE methods)
     log_probs: torch.Tensor | None = None  # (B, S) per-step log-probs; 0 on ODE steps
     sde: torch.Tensor | None = None  # (S,) bool: the stochastic (trainable) steps
+    means: list | None = None  # S x ((B, *x) on SDE steps, None elsewhere): the sampler's Gaussian means
+    version: torch.Tensor | None = None  # (B,) long: weight version that sampled each row (rollout workers)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
 
     def select(self, idx: torch.Tensor) -> FlowSample:
-        pick = (lambda t: None if t is None else t[idx])  # noqa: E731
+        pick = (lambda t: None if t is None else t[idx.to(t.device)])  # noqa: E731
         return FlowSample(self.x0[idx], [self.prompts[i] for i in idx.tolist()], self.sigmas, pick(self.states),
-                          pick(self.log_probs), self.sde)
+                          pick(self.log_probs), self.sde, None if self.means is None else [pick(m) for m in self.means],
+                          pick(self.version))
 
     def to(self, device) -> FlowSample:
         move = (lambda t: None if t is None else t.to(device))  # noqa: E731
-        return FlowSample(self.x0.to(device), self.prompts, self.sigmas, move(self.states), self.log_probs, self.sde)
+        return FlowSample(self.x0.to(device), self.prompts, self.sigmas, move(self.states), self.log_probs, self.sde,
+                          None if self.means is None else [move(m) for m in self.means], self.version)
 
     @staticmethod
     def concat(parts: list[FlowSample]) -> FlowSample:
-        """One batch from consecutive shares (torchrun ranks' rows, in rank order)."""
-        cat = (lambda name: None if getattr(parts[0], name) is None else  # noqa: E731
-               torch.cat([getattr(p, name) for p in parts]))
+        """One batch from consecutive shares (torchrun ranks' or rollout actors' rows, in order)."""
+        def cat(name):
+            return None if any(getattr(p, name) is None for p in parts) else \
+                torch.cat([getattr(p, name).to(parts[0].x0.device) for p in parts])
+
+        means = None if any(p.means is None for p in parts) else \
+            [None if m is None else torch.cat([p.means[i].to(m.device) for p in parts])
+             for i, m in enumerate(parts[0].means)]
         return FlowSample(cat("x0"), [q for p in parts for q in p.prompts], parts[0].sigmas, cat("states"),
-                          cat("log_probs"), parts[0].sde)
+                          cat("log_probs"), parts[0].sde, means, cat("version"))
+
+
+def draw_noise(gen: torch.Generator, B: int, shape: tuple, sde: torch.Tensor) -> tuple:
+    """The noise of a rollout of B samples: the starting noise x_T, then one tensor per SDE step
+    (None on ODE steps), drawn in that order from `gen` on the CPU."""
+    x = torch.randn((B, *shape), generator=gen)
+    return x, [torch.randn((B, *shape), generator=gen) if bool(s) else None for s in sde]
 
 
 class FlowPolicy:
@@ -224,37 +243,42 @@ class FlowPolicy:
         return FlowSample(self._finish(x), prompts, sigmas)
 
     @torch.no_grad()
-    def rollout(self, prompts: list[str], n: int, gen: torch.Generator, steps: int, sde: torch.Tensor,
+    def rollout(self, prompts: list[str], n: int, noise, steps: int, sde: torch.Tensor,
                 noise_level: float, sampler: str = "sde", shift: float = 1.0, guidance: float = 1.0,
-                keep_states: bool = True, rows: torch.Tensor | None = None, total: int | None = None) -> FlowSample:
+                keep_states: bool = True, keep_means: bool = False) -> FlowSample:
         """n samples per prompt; steps where `sde` (S,) is True are stochastic (Flow-GRPO SDE or
         CPS) and get a log-prob, the others are Euler ODE steps (log-prob 0). keep_states stores
-        the trajectory, which the per-step losses re-score. rows / total: these are rows `rows`
-        of a batch of `total` (a torchrun rank's share): every noise tensor is drawn for the whole
-        batch and sliced, so a row's sample does not depend on which process drew it."""
+        the trajectory, which the per-step losses re-score; keep_means the Gaussian mean of each
+        SDE step (the behaviour policy's, for batches trained on after the weights moved).
+        noise: (x_T (B, *sample_shape), [eps (B, *sample_shape) for each SDE step, None for the
+        others]) for these rows, from `FlowPlan` (regen/modalities/flow.py: drawn for the whole
+        batch and sliced, so a row's sample does not depend on which process drew it), or a
+        torch.Generator to draw them from here."""
         from regen.samplers.flow import cps_step, euler_step, sde_step, sigma_schedule
 
         prompts = [p for p in prompts for _ in range(n)]
         B = len(prompts)
+        if isinstance(noise, torch.Generator):
+            noise = draw_noise(noise, B, self.sample_shape, sde)
+        x_T, eps = noise
         cond, null = self.encoder(prompts), self.encoder([""] * B)
         sig = sigma_schedule(steps, shift).tolist()
-        mine = (lambda z: z) if rows is None else (lambda z: z[rows])  # noqa: E731
-        draw = total or B
-        x = mine(torch.randn((draw, *self.sample_shape), generator=gen)).to(self.device)
-        states, logps = [x], torch.zeros(B, steps)
+        x = x_T.to(self.device)
+        states, logps, means = [x], torch.zeros(B, steps), [None] * steps
         for i in range(steps):
             v = self.guided_velocity(x, torch.full((B,), sig[i], device=self.device), cond, null, guidance)
             if bool(sde[i]):
-                noise = mine(torch.randn((draw, *x.shape[1:]), generator=gen)).to(self.device)
-                out = (sde_step(x, v, sig[i], sig[i + 1], noise_level, sig[1], noise=noise) if sampler == "sde"
-                       else cps_step(x, v, sig[i], sig[i + 1], noise_level, noise=noise))
+                e = eps[i].to(self.device)
+                out = (sde_step(x, v, sig[i], sig[i + 1], noise_level, sig[1], noise=e) if sampler == "sde"
+                       else cps_step(x, v, sig[i], sig[i + 1], noise_level, noise=e))
                 x, logps[:, i] = out.next, out.log_prob.cpu()
+                means[i] = out.mean if keep_means else None
             else:
                 x = euler_step(x, v, sig[i], sig[i + 1])
             if keep_states:
                 states.append(x)
         return FlowSample(self._finish(x), prompts, torch.tensor(sig), torch.stack(states, 1) if keep_states else None,
-                          logps, sde.clone())
+                          logps, sde.clone(), means if keep_means else None)
 
     def step_logprobs(self, batch: FlowSample, noise_level: float, sampler: str = "sde", guidance: float = 1.0,
                       unet=None) -> tuple[torch.Tensor, list[torch.Tensor | None], list[float]]:

@@ -22,6 +22,9 @@ class LMRollout:
     version: torch.Tensor | None = None  # (B,) long: weight version that sampled each row (rollout workers)
     behaviour_logp: torch.Tensor | None = None  # (B, T) log-probs under the sampling weights (rollout workers)
 
+    def __len__(self) -> int:
+        return len(self.completions)
+
     @property
     def response_ids(self) -> torch.Tensor:  # (B, T)
         return self.input_ids[:, self.prompt_width :]

@@ -21,11 +21,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from regen.errors import UserError
 
 PREFIX = "step_"
+# What a failed write raises: the OS's errors, and safetensors' own type for the same I/O
+# failures (a full disk while writing weights raises SafetensorError, not OSError).
+WRITE_ERRORS = (OSError, SafetensorError)
 
 
 def _sha256(path: Path) -> str:
@@ -65,6 +69,16 @@ def optimizer_to_flat(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tenso
     return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
 
 
+class Gathered:
+    """An optimizer state gathered from FSDP2 shards, presented as the optimizer that saving reads."""
+
+    def __init__(self, state: dict):
+        self._state = state
+
+    def state_dict(self) -> dict:
+        return self._state
+
+
 def save_optimizer(opt: torch.optim.Optimizer, folder: Path, name: str) -> None:
     tensors, meta = optimizer_to_flat(opt)
     save_file(tensors, str(folder / f"{name}.safetensors"))
@@ -93,7 +107,7 @@ def optimizer_from_flat(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
 def save_checkpoint(
     run_dir: Path,
     step: int,
-    save_model,  # callable(folder: Path) writing a Hugging Face folder
+    save_model,  # callable(folder: Path) writing a Hugging Face folder into model/ (None: save_extra writes it)
     optimizer: torch.optim.Optimizer | None,
     rng: dict[str, torch.Tensor],
     state: dict,
@@ -111,7 +125,8 @@ def save_checkpoint(
         shutil.rmtree(tmp)  # leftover of a write that was interrupted
     try:
         tmp.mkdir()
-        save_model(tmp / "model")
+        if save_model is not None:
+            save_model(tmp / "model")
         if optimizer is not None:
             save_optimizer(optimizer, tmp, "optimizer")
         if save_extra is not None:

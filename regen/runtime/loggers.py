@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
-from regen.config_load import SECRET_WORDS, redact
+from regen.config.load import SECRET_WORDS, redact
 from regen.errors import UserError
 
 STATE_FILE = "loggers.json"

@@ -5,14 +5,14 @@ draws the prompted colour, shape and place, imperfectly, in a few CPU minutes.""
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import torch
 
 from regen.config import SFTConfig, dump_config
 from regen.data import EpochSampler
 from regen.errors import UserError
-from regen.policies.flow import FlowPolicy, FlowSample
+from regen.modalities.flow_media import save_media
+from regen.policies.flow_load import is_flow_model, load_flow_policy  # noqa: F401  (re-exported)
 from regen.policies.lm import resolve_device
 from regen.runtime import checkpoint as ckpt
 from regen.runtime.loggers import require as require_loggers
@@ -20,28 +20,6 @@ from regen.runtime.metrics import MetricsLogger
 from regen.runtime.optim import lr_at, make_optimizer, sft_step
 from regen.runtime.progress import StepProgress
 from regen.runtime.rundir import mark_closed, mark_running, prepare, setup_torch
-
-FLOW_RECIPES = {"shapes-unet": False, "moving-shapes-unet": True}  # name -> video?
-
-
-def is_flow_model(model_cfg) -> bool:
-    if model_cfg.init is not None:
-        return model_cfg.init in FLOW_RECIPES
-    from regen.policies.flow_latent import model_kind
-
-    # a regen flow folder (flow_policy.json), or a diffusers SD3 / Wan pipeline folder
-    return model_kind(model_cfg.path) is not None
-
-
-def load_flow_policy(model_cfg, seed: int, device: torch.device) -> FlowPolicy:
-    if model_cfg.init is not None:
-        return FlowPolicy.builtin(FLOW_RECIPES[model_cfg.init], seed, device)
-    from regen.policies.flow_latent import model_kind, policy_class
-
-    # dispatch on flow_policy.json's kind (or model_index.json's pipeline class): the built-in
-    # UNet, SD3 or Wan
-    cls = policy_class(model_kind(model_cfg.path) or "shapes")
-    return cls.load(model_cfg.path, device, getattr(torch, model_cfg.dtype))
 
 
 def _task_metas(spec: str, video: bool, where: str) -> list[dict]:
@@ -54,38 +32,6 @@ def _task_metas(spec: str, video: bool, where: str) -> list[dict]:
                         f"or builtin:{kind}:test)")
     train, test = shapes.split("video" if video else "image")
     return train if parts[2] == "train" else test
-
-
-def save_media(run_dir: Path, step: int, sample: FlowSample, rewards: list[float] | None = None, limit: int = 16,
-               policy: FlowPolicy | None = None):
-    """The first `limit` samples as PNG (images) or GIF (videos) under samples/step_N/, with a
-    samples/step_N.jsonl row each (prompt, reward, image path relative to the run dir).
-    `policy` decodes sample.x0 to pixels (latent models); without it x0 must be pixels."""
-    from PIL import Image
-
-    from regen.evaluate import write_samples
-    from regen.tasks.shapes import to_uint8
-
-    folder = run_dir / "samples" / f"step_{step:08d}"
-    folder.mkdir(parents=True, exist_ok=True)
-    x0 = sample.x0[:limit]
-    pix = to_uint8((x0 if policy is None else policy.decode(x0)).detach().cpu())
-    up = max(1, 64 // pix.shape[-2])  # small samples upscaled to 64 px so they can be seen, large ones kept
-    size = (pix.shape[-2] * up, pix.shape[-3] * up)  # PIL: (width, height)
-    rows = []
-    for i, arr in enumerate(pix):
-        row = {"prompt": sample.prompts[i], "reward": None if rewards is None else rewards[i]}
-        if arr.dim() == 4:  # video: an animated GIF
-            frames = [Image.fromarray(f.numpy()).resize(size, Image.NEAREST) for f in arr]
-            path = folder / f"{i}.gif"
-            frames[0].save(path, save_all=True, append_images=frames[1:], duration=120, loop=0)
-            row["video"] = str(path.relative_to(run_dir))
-        else:
-            path = folder / f"{i}.png"
-            Image.fromarray(arr.numpy()).resize(size, Image.NEAREST).save(path)
-            row["image"] = str(path.relative_to(run_dir))
-        rows.append(row)
-    write_samples(run_dir, step, rows)
 
 
 def sft_flow(cfg: SFTConfig, resume: bool = False) -> dict:

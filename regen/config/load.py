@@ -71,13 +71,35 @@ def load_config(kind: type[BaseModel], path: str | None, overrides: list[str] = 
             raise ConfigError(f"config file '{path}'{at}: not valid YAML ({getattr(e, 'problem', e)})") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"config file '{path}': top level must be a mapping of sections")
+    given = set(leaf_keys(tree))
     tree = _merge(_defaults(kind), tree)
     for keys, value in parse_overrides(list(overrides)):
         apply_override(tree, keys, value, f"override '{'.'.join(keys)}'")
+        given |= set(leaf_keys(value, _until_list(keys)))
     try:
-        return kind.model_validate(tree)
+        cfg = kind.model_validate(tree)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e, kind, source)) from None
+    refuse = getattr(cfg, "unread", None)  # RLConfig: keys the chosen method would ignore are errors
+    problems = refuse(given) if refuse is not None else []
+    if problems:
+        raise ConfigError(f"invalid config ({source}): " + "; ".join(problems))
+    return cfg
+
+
+def leaf_keys(value: Any, path: list[str] = ()) -> list[str]:
+    """The dotted keys a user tree sets: mappings are walked, anything else (values, lists) is one key."""
+    if isinstance(value, dict) and value:
+        return [k for name, v in value.items() for k in leaf_keys(v, [*path, str(name)])]
+    return [".".join(path)] if path else []
+
+
+def _until_list(keys: list[str]) -> list[str]:
+    """An override's key up to the list it indexes ('reward.0.weight' sets 'reward')."""
+    for i, part in enumerate(keys):
+        if part.isdigit():
+            return keys[:i]
+    return keys
 
 
 def _defaults(kind: type[BaseModel]) -> dict:
@@ -187,8 +209,16 @@ def _secret(key: str, value: Any) -> bool:
     return "tokens" in k and not isinstance(value, (int, float))
 
 
+def resolved_tree(cfg: BaseModel) -> dict:
+    """The resolved config as written to config.yaml and printed by --print-config: for RL runs
+    only the keys the chosen method reads (regen/config/reads.py), so it reloads as it is."""
+    tree = cfg.model_dump(mode="json")
+    read_only = getattr(cfg, "read_tree", None)
+    return read_only(tree) if read_only is not None else tree
+
+
 def dump_config(cfg: BaseModel, path: Path) -> None:
-    path.write_text(yaml.safe_dump(redact(cfg.model_dump(mode="json")), sort_keys=False))
+    path.write_text(yaml.safe_dump(redact(resolved_tree(cfg)), sort_keys=False))
 
 
 def describe(kind: type[BaseModel], prefix: str = "") -> list[tuple[str, str, str]]:
@@ -203,3 +233,13 @@ def describe(kind: type[BaseModel], prefix: str = "") -> list[tuple[str, str, st
         default = "(required)" if field.is_required() else repr(field.get_default(call_default_factory=True))
         rows.append((key, default, field.description or ""))
     return rows
+
+
+def read_by(key: str) -> str:
+    """'read by: grpo, ppo' for the `--help-config` table of `regen train`."""
+    from regen.config.reads import readers
+
+    who = readers(key)
+    from regen.config.methods import METHODS
+
+    return "every method" if len(who) == len(METHODS) else ", ".join(who) or "no method"

@@ -2,8 +2,8 @@
 actors placed by `distributed.*_resources` (whole nodes, GPUs, or custom node labels).
 
 - Rollout: each step's groups are split over the rollout actors; each gets its prompts and
-  its slice of the step's uniforms (drawn here from the run's generator), so the batch is the
-  one a single process would sample with the same weights.
+  its rows of the step's plan (the uniforms or noise drawn here from the run's generator), so
+  the batch is the one a single process would sample with the same weights (any modality).
 - Sync: after each update the trainer's weights (for LoRA: the adapter's tensors only) go to
   the object store once and every actor loads them, tagged with the version (= step). Ray runs
   an actor's calls in order, so a sample call made after a sync sees the new weights.
@@ -24,9 +24,8 @@ import torch
 
 from regen.data import EpochSampler, PromptItem
 from regen.errors import RunStopped, UserError
-from regen.policies.lm import LMRollout, concat_rollouts
-from regen.ray_workers import RewardWorker, RolloutWorker
-from regen.rollout import draw_uniforms, group_rows
+from regen.placement.local import group_rows
+from regen.placement.ray_workers import RewardWorker, RolloutWorker
 
 
 def start_ray(cfg) -> None:
@@ -125,53 +124,53 @@ class ActorGroup:
 
 
 class RayRollouts:
-    """The rollout side of the loop (see regen/rollout.py for the interface)."""
+    """The rollout side of the loop on Ray actors (see regen/placement/local.py for the interface)."""
 
-    def __init__(self, policy, data: EpochSampler, prompts: list[PromptItem], cfg, version: int):
+    def __init__(self, modality, data: EpochSampler, prompts: list[PromptItem], cfg, version: int):
         import ray
 
         start_ray(cfg)
         d = cfg.distributed
-        self.data, self.prompts, self.cfg, self.pad_id = data, prompts, cfg, policy.pad_id
+        self.m, self.data, self.prompts, self.cfg = modality, data, prompts, cfg
         self.bound, self.version = d.max_staleness, version
         self.workers = ActorGroup(RolloutWorker, d.rollout_workers, d.rollout_resources,
                                   (for_actors(cfg), d.actor_threads), "regen-rollout", d.max_restarts,
                                   on_new=lambda a: ray.get(a.load_weights.remote(self._weights, self.version)))
         self._weights = None
-        self._ahead = None  # (items, uniforms, refs, data and generator state before them)
+        self._ahead = None  # (step, items, plan, refs, data and generator state before them)
         self._lag = self.discarded = 0
-        self.sync(policy, version)
+        try:
+            self.sync(version)
+        except BaseException:
+            self.workers.close()  # actors started for a run that does not start
+            raise
 
     # -------------------------------------------------------------- loop API
 
-    def next(self, gen: torch.Generator) -> tuple[list[PromptItem], LMRollout]:
+    def next(self, step: int, gen: torch.Generator, again: bool = False):
         ahead, self._ahead = self._ahead, None
-        items, u, refs, _ = ahead if ahead is not None else self._submit(gen)
-        batch = self._collect(items, u, refs)
+        if ahead is not None and (again or ahead[0] != step):  # not the batch asked for: give back what it took
+            self._rewind(ahead)
+            ahead = None
+        _, items, plan, refs, _ = ahead if ahead is not None else self._submit(step, gen, again)
+        batch = self._collect(items, plan, refs)
         if self.version - int(batch.version.min()) > self.bound:  # too stale: sample again, current weights
             self.discarded += 1
-            batch = self._collect(items, u, self._requests(items, u))
+            batch = self._collect(items, plan, self._requests(items, plan))
         self._lag = self.version - int(batch.version.min())
         if self.bound >= 1:  # the next batch overlaps this step's update (at most one version behind)
-            self._ahead = self._submit(gen)
+            self._ahead = self._submit(step + 1, gen)
         return items, batch
 
-    def sync(self, policy, step: int) -> dict[str, float]:
-        state = {k: v.detach().to("cpu") for k, v in policy.model.state_dict().items()
-                 if not policy.is_lora or "lora_" in k}  # LoRA: only the adapter changes
-        self._weights, metrics = self.workers.push(state, step)
+    def sync(self, step: int) -> dict[str, float]:
+        self._weights, metrics = self.workers.push(self.m.sync_state(), step)
         self.version = step
         return metrics
 
-    def old_logprobs(self, batch: LMRollout, recomputed: torch.Tensor | None) -> torch.Tensor | None:
-        """The log-probs PPO's ratio is taken against. A batch sampled with older weights than the
-        trainer's (max_staleness >= 1) uses the behaviour policy's, returned by the actors: the
-        clipped ratio pi_theta / pi_behaviour then bounds the update relative to the weights that
-        actually sampled (Schulman et al. 2017, eq. 7, with pi_old = the behaviour policy). A
-        current batch keeps the trainer's own (ratio exactly 1 on-policy)."""
-        if self.version - int(batch.version.min()) > 0:
-            return batch.behaviour_logp.to(batch.response_mask.device)
-        return recomputed
+    def stale(self, batch) -> bool:
+        """Sampled with older weights than the trainer's (max_staleness >= 1): the update takes its
+        ratio against the behaviour policy the actors returned with the batch."""
+        return self.version - int(batch.version.min()) > 0
 
     def stats(self) -> dict[str, float]:
         return {"rollout/staleness": float(self._lag), "rollout/worker_restarts": float(self.workers.restarts),
@@ -181,9 +180,7 @@ class RayRollouts:
         """Forget a batch requested ahead, and rewind the prompts and randomness it took, so a
         checkpoint written now resumes exactly where the loop is (it samples that batch again)."""
         if self._ahead is not None:
-            data_state, gen, gen_state = self._ahead[3]
-            self.data.load_state(data_state)
-            gen.set_state(gen_state)
+            self._rewind(self._ahead)
             self._ahead = None
 
     def close(self) -> None:
@@ -191,26 +188,30 @@ class RayRollouts:
 
     # -------------------------------------------------------------- helpers
 
-    def _submit(self, gen: torch.Generator):
+    def _rewind(self, ahead) -> None:
+        data_state, gen, gen_state = ahead[4]
+        self.data.load_state(data_state)
+        gen.set_state(gen_state)
+
+    def _submit(self, step: int, gen: torch.Generator, again: bool = False):
         before = (self.data.state(), gen, gen.get_state())
         items = [self.prompts[i] for i in self.data.take(self.cfg.prompts_per_step)]
-        u = draw_uniforms(self.cfg, gen).cpu()
-        return items, u, self._requests(items, u), before
+        plan = self.m.plan(gen, step, again)
+        return step, items, plan, self._requests(items, plan), before
 
-    def _shares(self, items, u) -> list[tuple]:
+    def _shares(self, items, plan) -> list[tuple]:
         n = self.cfg.rollout.group_size
         shares = torch.arange(len(items)).tensor_split(len(self.workers.actors))
-        return [([items[g].prompt for g in s.tolist()], n, u[group_rows(s, n)]) for s in shares]
+        return [([items[g].prompt for g in s.tolist()], n, plan.select(group_rows(s, n)).cpu()) for s in shares]
 
-    def _requests(self, items, u) -> list:
+    def _requests(self, items, plan) -> list:
         return [self.workers.call(i, "sample", *args) if args[0] else None
-                for i, args in enumerate(self._shares(items, u))]
+                for i, args in enumerate(self._shares(items, plan))]
 
-    def _collect(self, items, u, refs) -> LMRollout:
-        shares = self._shares(items, u)
+    def _collect(self, items, plan, refs):
+        shares = self._shares(items, plan)
         live = [i for i, r in enumerate(refs) if r is not None]
-        parts = self.workers.get([refs[i] for i in live], "sample", [shares[i] for i in live])
-        return concat_rollouts(parts, self.pad_id)
+        return self.m.concat(self.workers.get([refs[i] for i in live], "sample", [shares[i] for i in live]))
 
 
 class RayReward:

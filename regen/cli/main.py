@@ -203,13 +203,18 @@ def _quiet_libraries() -> None:
 
 
 def _load(kind, args):
-    from regen.config import describe, load_config
+    from regen.config import RLConfig, describe, load_config, read_by
 
     if args.help_config:
         rows = describe(kind)
         width = max(len(k) for k, _, _ in rows)
+        if kind is RLConfig:
+            print("Each key says which methods (algorithm.name) read it; setting a key the chosen method does not "
+                  "read is an error.\n")
         for key, default, desc in rows:
             print(f"{key:<{width}}  {default}")
+            if kind is RLConfig:
+                desc = f"{desc} [read by: {read_by(key)}]"
             if desc:
                 print(textwrap.indent(textwrap.fill(desc, 88), " " * (width + 2)))
         return None
@@ -220,9 +225,9 @@ def _load(kind, args):
     if args.print_config:
         import yaml
 
-        from regen.config import redact
+        from regen.config import redact, resolved_tree
 
-        print(yaml.safe_dump(redact(cfg.model_dump(mode="json")), sort_keys=False), end="")
+        print(yaml.safe_dump(redact(resolved_tree(cfg)), sort_keys=False), end="")
         return None
     return cfg
 
@@ -233,7 +238,7 @@ def cmd_train(args) -> int:
     cfg = _load(RLConfig, args)
     if cfg is None:
         return 0
-    from regen.loop import train
+    from regen.train import train
 
     summary = train(cfg, resume=args.resume, force=args.force)
     if not summary.get("stopped_early"):
@@ -247,9 +252,9 @@ def cmd_sft(args) -> int:
     cfg = _load(SFTConfig, args)
     if cfg is None:
         return 0
-    from regen.flow_sft import is_flow_model, sft_flow
+    from regen.offline.flow_sft import is_flow_model, sft_flow
+    from regen.offline.sft import sft
     from regen.runtime.dist import launched_by_torchrun
-    from regen.sft import sft
 
     if launched_by_torchrun():
         raise UserError("regen sft runs in one process; start it with python / regen, not torchrun")
@@ -271,7 +276,7 @@ def _print_summary(summary: dict) -> None:
 
 
 def cmd_eval(args) -> int:
-    from regen.eval_cli import cmd_eval as run_eval_verb  # the verb's logic lives in its own module
+    from regen.cli.eval import cmd_eval as run_eval_verb  # the verb's logic lives in its own module
 
     return run_eval_verb(args)
 

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from regen.config_base import Section
+from regen.config.base import Section
 
 
 class DistributedConfig(Section):

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from regen.algorithms import dpo_loss
 from regen.config import RLConfig, dump_config
 from regen.data import Demo, EpochSampler, load_pairs, load_prompts
-from regen.evaluate import fmt_eval, run_eval
+from regen.modalities.lm_eval import fmt_eval, run_eval
+from regen.offline.sft import IGNORE, encode_demos
 from regen.policies.lm import LMPolicy, apply_lora, load_model_and_tokenizer, max_positions, resolve_device
 from regen.runtime import checkpoint as ckpt
 from regen.runtime.loggers import require as require_loggers
@@ -24,7 +25,6 @@ from regen.runtime.metrics import MetricsLogger
 from regen.runtime.optim import lr_at, make_optimizer, set_lr
 from regen.runtime.progress import StepProgress
 from regen.runtime.rundir import mark_closed, mark_running, prepare, setup_torch
-from regen.sft import IGNORE, encode_demos
 
 
 def sequence_logprobs(model, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

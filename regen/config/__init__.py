@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from regen.config_base import Section
-from regen.config_dist import DistributedConfig
-from regen.config_methods import CriticConfig, FlowConfig, OverlongConfig
+from regen.config.base import Section
+from regen.config.dist import DistributedConfig
+from regen.config.methods import CLIP_DEFAULTS, METHODS, CriticConfig, FlowConfig, OverlongConfig
 
 # --------------------------------------------------------------------------- sections
 
@@ -107,7 +107,7 @@ class AlgorithmConfig(Section):
     name: Literal["grpo", "ppo", "gspo", "dpo", "flow_grpo", "flow_dppo", "nft", "awm"] = Field(
         "grpo", description="Policy loss: 'grpo' (token-level clipped ratio; with clip_high 0.28 and overlong, DAPO), "
         "'ppo' (the same clipped loss on per-token GAE advantages from a learned critic, see the critic section), "
-        "'gspo' (sequence-level length-normalised ratio, Zheng 2025; use clip ranges like 3e-4 / 4e-4), or 'dpo' "
+        "'gspo' (sequence-level length-normalised ratio, Zheng 2025; clip ranges 3e-4 / 4e-4 by default), or 'dpo' "
         "(offline, on preference pairs from data.train; train.global_minibatch_size pairs per step). Flow models "
         "(see the flow section): 'flow_grpo' (clipped ratio over SDE steps), 'flow_dppo' (KL trust region over SDE "
         "steps), 'nft' (DiffusionNFT on ODE samples), 'awm' (advantage-weighted flow matching on ODE samples)."
@@ -129,16 +129,33 @@ class AlgorithmConfig(Section):
         "loss", description="'loss': kl_coef * KL (kl_estimator) added to the loss; 'reward': k1 KL folded into "
         "per-token rewards (InstructGPT-style; PPO and REINFORCE++ only)."
     )
-    std_normalize: bool = Field(True, description="GRPO: divide group-centred rewards by the group std.")
+    std_normalize: Literal["group", "batch", "none"] = Field(
+        "group", description="Group-relative advantages (advantage=grpo, and every flow method): divide the "
+        "group-centred rewards by the group's std ('group', GRPO), by the std of the whole batch's rewards "
+        "('batch', Flow-GRPO's global std), or not at all ('none', Dr.GRPO). true / false mean group / none."
+    )
     reinforce_baseline: bool = Field(False, description="REINFORCE++: subtract the group mean before whitening.")
-    clip_low: float = Field(0.2, gt=0.0, lt=1.0, description="Ratio clip below: 1 - clip_low.")
-    clip_high: float = Field(0.2, gt=0.0, description="Ratio clip above: 1 + clip_high (0.28 = DAPO clip-higher).")
+    clip_low: float | None = Field(
+        None, gt=0.0, lt=1.0, description="Ratio clip below: 1 - clip_low. null = the method's default: 0.2 (grpo, "
+        "ppo), 3e-4 (gspo: a sequence-level ratio), 1e-3 (flow_grpo: a ratio per SDE step; FINDINGS.md)."
+    )
+    clip_high: float | None = Field(
+        None, gt=0.0, description="Ratio clip above: 1 + clip_high (0.28 = DAPO clip-higher). null = the method's "
+        "default: 0.2 (grpo, ppo), 4e-4 (gspo), 1e-3 (flow_grpo)."
+    )
     dual_clip: float | None = Field(
         None, gt=1.0, description="Dual-clip constant c for negative advantages (Ye 2020; 3.0 is usual); null = off."
     )
     entropy_coef: float = Field(0.0, ge=0.0, description="Weight of the entropy bonus (0 = off).")
-    kl_coef: float = Field(0.0, ge=0.0, description="Weight of the KL-to-reference loss; 0 loads no reference model.")
-    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Schulman's KL estimator used in the loss.")
+    kl_coef: float = Field(
+        0.0, ge=0.0, description="Weight of the KL term; 0 loads no reference model. Language models: KL to the "
+        "starting model (kl_estimator, kl_placement). flow_grpo: the exact Gaussian KL of each SDE step to the "
+        "starting model. awm: the velocity-space KL to an EMA of the policy (decay from flow.ema_rate / ema_max; "
+        "Flow-Factory recommends 0.1)."
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k3", description="Language models: Schulman's KL estimator used in the loss (with kl_coef > 0)."
+    )
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = Field(
         "token-mean", description="How per-token losses are reduced ('seq-mean-token-sum-norm' divides by "
         "rollout.max_new_tokens: Dr.GRPO)."
@@ -149,6 +166,11 @@ class AlgorithmConfig(Section):
         "until the step is full (metrics dynamic/*)."
     )
     max_sampling_rounds: int = Field(3, ge=0, description="Dynamic sampling: most extra sampling rounds per step.")
+
+    @field_validator("std_normalize", mode="before")
+    @classmethod
+    def _std_from_bool(cls, v):
+        return {True: "group", False: "none"}.get(v, v) if isinstance(v, bool) else v
 
 
 class TrainConfig(Section):
@@ -326,6 +348,9 @@ class RLConfig(Section):
         r, t, a = self.rollout, self.train, self.algorithm
         if a.advantage is None:
             a.advantage = "gae" if a.name == "ppo" else "grpo"
+        low, high = CLIP_DEFAULTS.get(a.name, (None, None))
+        a.clip_low = low if a.clip_low is None else a.clip_low
+        a.clip_high = high if a.clip_high is None else a.clip_high
         if (a.name == "ppo") != (a.advantage == "gae"):
             raise ValueError(f"algorithm.name={a.name} with algorithm.advantage={a.advantage}: the critic's GAE "
                              "advantages and algorithm.name=ppo go together")
@@ -354,11 +379,31 @@ class RLConfig(Section):
                              f"train.global_minibatch_size={t.global_minibatch_size}")
         if not self.reward:
             raise ValueError("reward: at least one reward term is needed")
+        f = self.flow
+        if f.sde_window is not None and f.window_start + f.sde_window > f.steps:
+            raise ValueError(f"flow.sde_window={f.sde_window} from flow.window_start={f.window_start} does not fit "
+                             f"in flow.steps={f.steps}")
         o = self.algorithm.overlong
         if o is not None and (o.cache_len > o.max_len or o.max_len > r.max_new_tokens):
             raise ValueError(f"algorithm.overlong: need cache_len ({o.cache_len}) <= max_len ({o.max_len}) <= "
                              f"rollout.max_new_tokens ({r.max_new_tokens})")
         return self
+
+    def unread(self, given) -> list[str]:
+        """Messages for keys the user set (dotted, see config/load.py) that this method does not read."""
+        from regen.config.reads import unread
+
+        return unread(self, given)
+
+    def read_tree(self, tree: dict) -> dict:
+        from regen.config.reads import prune
+
+        return prune(tree, self)
+
+    @property
+    def modality(self) -> str:
+        """'lm' or 'flow': the kind of model algorithm.name trains."""
+        return METHODS[self.algorithm.name]
 
     @property
     def prompts_per_step(self) -> int:
@@ -387,12 +432,14 @@ class SFTConfig(Section):
 
 
 # Loading lives in its own module; re-exported here so `regen.config` is the one place to import from.
-from regen.config_load import (  # noqa: E402,F401
+from regen.config.load import (  # noqa: E402,F401
     config_hash,
     describe,
     dump_config,
     incompatible_changes,
     load_config,
     parse_overrides,
+    read_by,
     redact,
+    resolved_tree,
 )

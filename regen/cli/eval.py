@@ -164,7 +164,7 @@ class _PartsRecorder:
 def run(args) -> dict:
     from regen.config import TaskConfig
     from regen.data import load_prompts
-    from regen.evaluate import evaluate, evaluate_with_samples
+    from regen.modalities.lm_eval import evaluate, evaluate_with_samples
     from regen.rewards import CombinedReward
 
     given = args.source or args.model

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from regen.config import SFTConfig, dump_config
 from regen.data import Demo, EpochSampler, load_demos, load_prompts
 from regen.errors import DataError
-from regen.evaluate import run_eval
+from regen.modalities.lm_eval import run_eval
 from regen.policies.lm import LMPolicy, load_model_and_tokenizer, max_positions, resolve_device
 from regen.runtime import checkpoint as ckpt
 from regen.runtime.loggers import require as require_loggers

@@ -93,7 +93,7 @@ def read_rows(spec: str, required: tuple[str, ...], where: str, skip_bad: bool =
               columns: dict[str, str] | None = None) -> list[dict]:
     """Rows of a JSONL file, or of a Hugging Face dataset for 'hf:NAME_OR_PATH[:SPLIT]'."""
     if spec.startswith("hf:"):
-        from regen.data_hf import read_hf
+        from regen.data.hf import read_hf
 
         return read_hf(spec, required, where, columns)
     return read_jsonl(spec, required, where, skip_bad)

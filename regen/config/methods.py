@@ -1,13 +1,23 @@
 """Config sections of the methods that bring their own models or terms: PPO's critic, DAPO's
-overlong punishment, the flow-matching samplers and losses (kept apart so regen/config.py stays one screenful per idea)."""
+overlong punishment, the flow-matching samplers and losses (kept apart so regen/config/__init__.py
+stays one screenful per idea); and which modality each method trains."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from regen.config_base import Section
+from regen.config.base import Section
+
+# algorithm.name -> the modality it trains ("lm": causal language models, "flow": flow-matching
+# image / video models); dpo is offline (no sampling). regen/config/reads.py says which keys each reads.
+METHODS = {"grpo": "lm", "ppo": "lm", "gspo": "lm", "dpo": "lm", "flow_grpo": "flow", "flow_dppo": "flow",
+           "nft": "flow", "awm": "flow"}
+# algorithm.clip_low / clip_high when left null: PPO's 0.2 (Schulman 2017); GSPO's sequence-level ratio
+# is a geometric mean, so its paper uses 3e-4 / 4e-4 (Zheng 2025, sec. 5.1); Flow-GRPO's per-step ratio
+# clips at 1e-4 in the paper, 1e-3 learned twice as fast here (FINDINGS.md).
+CLIP_DEFAULTS = {"grpo": (0.2, 0.2), "ppo": (0.2, 0.2), "gspo": (3e-4, 4e-4), "flow_grpo": (1e-3, 1e-3)}
 
 
 class OverlongConfig(Section):
@@ -51,21 +61,27 @@ class FlowConfig(Section):
     window_start: int = Field(0, ge=0, description="First SDE step of the window.")
     window_shift_every: int = Field(25, ge=1, description="moving: training steps per one-step slide.")
     guidance: float = Field(1.0, gt=0.0, description="Classifier-free guidance scale when sampling (1 = off).")
-    clip_range: float = Field(1e-3, gt=0.0, description="flow_grpo ratio clip (1e-4..1e-3 usual; FINDINGS.md).")
-    kl_coef: float = Field(0.0, ge=0.0, description="flow_grpo: weight of the exact Gaussian KL to the base model.")
-    global_std: bool = Field(False, description="Advantages divided by the batch's reward std instead of the group's.")
-    adv_clip: float = Field(5.0, gt=0.0, description="Advantages clipped to +-adv_clip (and NFT's C).")
+    adv_clip: float = Field(5.0, gt=0.0, description="Flow methods: advantages clipped to +-adv_clip (and NFT's C).")
     dppo_tau: float = Field(1e-5, gt=0.0, description="flow_dppo: KL threshold of the trust region.")
     nft_beta: float = Field(1.0, gt=0.0, description="DiffusionNFT beta (implicit positive/negative policies).")
-    ema_rate: float = Field(1e-3, ge=0.0, description="DiffusionNFT old policy / AWM anchor: EMA decay = min(rate * "
-                            "step, ema_max).")
+    ema_rate: float = Field(1e-3, ge=0.0, description="DiffusionNFT old policy / AWM anchor (algorithm.kl_coef > 0): "
+                            "EMA decay = min(rate * step, ema_max).")
     ema_max: float = Field(0.5, ge=0.0, lt=1.0, description="DiffusionNFT old policy / AWM anchor: largest EMA decay.")
     weight_ema: float | None = Field(
         None, ge=0.0, lt=1.0, description="Decay of an EMA of the trained weights, updated after every step; "
         "held-out evaluation and export/ use it (Flow-GRPO keeps one for its evaluations). null = off."
     )
-    awm_kl_coef: float = Field(
-        0.0, ge=0.0, description="AWM: weight of the velocity-space KL to an EMA of the policy (decay from ema_rate "
-        "/ ema_max); Flow-Factory recommends 0.1. 0 = off."
-    )
     awm_weight: Literal["uniform", "t", "t**2"] = Field("uniform", description="AWM loss weight w(t).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data):
+        """Keys that are one concept with a language-model key now live under that key."""
+        moved = [f"flow.{k} is now {new}" for k, new in MOVED.items() if isinstance(data, dict) and k in data]
+        if moved:
+            raise ValueError("; ".join(moved) + " (one key per concept for every method)")
+        return data
+
+
+MOVED = {"clip_range": "algorithm.clip_low and algorithm.clip_high", "kl_coef": "algorithm.kl_coef",
+         "global_std": "algorithm.std_normalize=batch", "awm_kl_coef": "algorithm.kl_coef (awm: the EMA anchor's weight)"}

@@ -1,0 +1,176 @@
+"""Which config keys each method reads: a key the chosen method does not read is refused.
+
+Every method declares its keys here, beside the keys that every online method or every method
+of its modality reads. A key the user sets (in the YAML file or as an override) that the
+chosen method does not read is an error naming the key and why, instead of a setting that is
+accepted and silently does nothing. The same declarations prune the resolved config written
+to a run's config.yaml (so it shows only what acted, and reloads cleanly) and label the
+`--help-config` table.
+
+A declaration is a key (a dotted prefix: "critic" covers every critic.* key) and, for keys
+read only in some settings, the condition, as the text shown to the user and a predicate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from regen.config.methods import METHODS
+
+
+@dataclass(frozen=True)
+class Read:
+    key: str
+    when: str = ""  # "" = always; else the setting it needs, as shown to the user
+    test: Callable | None = None  # cfg -> bool, with `when`
+
+
+def _always(*keys: str) -> list[Read]:
+    return [Read(k) for k in keys]
+
+
+def _when(text: str, test: Callable, *keys: str) -> list[Read]:
+    return [Read(k, text, test) for k in keys]
+
+
+def _torchrun(cfg) -> bool:
+    return cfg.distributed.mode in ("auto", "torchrun")
+
+
+# What every online RL method reads, whatever it trains.
+ONLINE = [
+    *_always("run", "model", "data", "rollout.global_batch_size", "rollout.group_size", "train.steps",
+             "train.ppo_epochs", "train.global_minibatch_size", "train.micro_batch_size", "train.grad_clip",
+             "train.precision", "train.offload", "optim", "reward", "eval.every", "eval.num_prompts",
+             "eval.samples_per_prompt", "checkpoint", "health", "mirror", "log", "algorithm.name",
+             "algorithm.dynamic_sampling", "distributed.mode"),
+    *_when("with algorithm.dynamic_sampling=true", lambda c: c.algorithm.dynamic_sampling,
+           "algorithm.max_sampling_rounds"),
+    *_when("under torchrun (distributed.mode torchrun or auto)", _torchrun, "distributed.strategy",
+           "distributed.backend"),
+    *_when("with distributed.mode=ray", lambda c: c.distributed.mode == "ray", "distributed.ray_address",
+           "distributed.rollout_workers", "distributed.reward_workers", "distributed.rollout_resources",
+           "distributed.reward_resources", "distributed.max_staleness", "distributed.max_restarts",
+           "distributed.actor_threads"),
+]
+
+# What every method of a modality reads.
+def _arithmetic(cfg) -> bool:
+    """The built-in arithmetic task is in use (its data, or its model recipe)."""
+    return cfg.model.init is not None or any(str(s).startswith("builtin:arithmetic")
+                                             for s in (cfg.data.train, cfg.data.eval))
+
+
+LM = [
+    *_when("with the built-in arithmetic task (builtin:arithmetic data or model.init)", _arithmetic, "task.digits",
+           "task.test_size"),
+    *_always("rollout.temperature", "rollout.top_p", "rollout.max_new_tokens", "rollout.engine",
+             "eval.temperature", "eval.greedy", "eval.batch_size", "algorithm.clip_low", "algorithm.clip_high",
+             "algorithm.entropy_coef", "algorithm.kl_coef", "algorithm.overlong", "algorithm.advantage"),
+    *_when("with rollout.engine=vllm", lambda c: c.rollout.engine == "vllm", "rollout.vllm_memory"),
+    *_when("with algorithm.kl_coef > 0", lambda c: c.algorithm.kl_coef > 0, "algorithm.kl_placement"),
+    *_when("with algorithm.kl_coef > 0 and kl_placement=loss",
+           lambda c: c.algorithm.kl_coef > 0 and c.algorithm.kl_placement == "loss", "algorithm.kl_estimator"),
+    *_when("with algorithm.advantage=grpo", lambda c: c.algorithm.advantage == "grpo", "algorithm.std_normalize"),
+    *_when("with algorithm.advantage=reinforce_pp", lambda c: c.algorithm.advantage == "reinforce_pp",
+           "algorithm.reinforce_baseline"),
+]
+FLOW = _always("flow.steps", "flow.eval_steps", "flow.shift", "flow.guidance", "flow.weight_ema", "flow.adv_clip",
+               "algorithm.std_normalize", "train.gradient_checkpointing")
+SDE = [  # the methods trained on stochastic (SDE) sampling steps
+    *_always("flow.sampler", "flow.noise_level", "flow.sde_window"),
+    *_when("with flow.sde_window set", lambda c: c.flow.sde_window is not None, "flow.window_policy",
+           "flow.window_start"),
+    *_when("with flow.window_policy=moving", lambda c: c.flow.sde_window is not None
+           and c.flow.window_policy == "moving", "flow.window_shift_every"),
+]
+
+# Each method: the keys it reads beyond those above.
+OWN: dict[str, list[Read]] = {
+    "grpo": _always("algorithm.dual_clip", "algorithm.loss_agg"),
+    "ppo": _always("algorithm.dual_clip", "algorithm.loss_agg", "algorithm.gamma", "algorithm.lam",
+                   "algorithm.whiten_advantages", "critic"),
+    # GSPO's policy term is one ratio per sequence: the aggregation reaches only its KL and entropy terms
+    "gspo": _when("with algorithm.kl_coef > 0 or entropy_coef > 0",
+                  lambda c: c.algorithm.kl_coef > 0 or c.algorithm.entropy_coef > 0, "algorithm.loss_agg"),
+    "dpo": [*_when("with the built-in arithmetic task (builtin:arithmetic data or model.init)", _arithmetic,
+                   "task.digits", "task.test_size"),
+            *_always("run", "model", "data", "algorithm.name", "algorithm.dpo_beta", "algorithm.dpo_label_smoothing",
+                     "algorithm.dpo_loss", "train.steps", "train.global_minibatch_size", "train.grad_clip", "optim",
+                     "eval", "rollout.temperature", "rollout.top_p", "rollout.max_new_tokens", "checkpoint", "log")],
+    "flow_grpo": [*SDE, *_always("algorithm.clip_low", "algorithm.clip_high", "algorithm.kl_coef")],
+    "flow_dppo": [*SDE, *_always("flow.dppo_tau")],
+    "nft": _always("flow.nft_beta", "flow.ema_rate", "flow.ema_max"),
+    "awm": [*_always("flow.awm_weight", "algorithm.kl_coef"),
+            *_when("with algorithm.kl_coef > 0 (the EMA anchor)", lambda c: c.algorithm.kl_coef > 0, "flow.ema_rate",
+                   "flow.ema_max")],
+}
+
+# Why a key is not read where that is not obvious from who reads it.
+WHY = {
+    "train.gradient_checkpointing": "a language model's update shares each prompt's KV cache across its group, "
+                                    "which checkpointing turns off",
+    "algorithm.dual_clip": "dual-clip bounds a token-level ratio; GSPO clips one ratio per sequence",
+    "algorithm.kl_estimator": "flow_grpo's KL is the exact Gaussian KL of each SDE step, awm's a velocity distance",
+    "algorithm.advantage": "flow methods use Flow-GRPO's group advantage (algorithm.std_normalize, flow.adv_clip)",
+    "flow.noise_level": "the ODE methods sample without noise",
+    "flow.sampler": "the ODE methods sample without noise",
+    "task.demo_noise": "corrupted demonstrations are for `regen sft`; RL prompts carry the true answers",
+}
+
+
+def declared(cfg) -> list[Read]:
+    """Every key the configured method reads, with its conditions."""
+    name = cfg.algorithm.name
+    if name == "dpo":
+        return OWN["dpo"]
+    return [*ONLINE, *(LM if METHODS[name] == "lm" else FLOW), *OWN[name]]
+
+
+def _covers(read: str, key: str) -> bool:
+    return key == read or key.startswith(read + ".")
+
+
+def unread(cfg, given: Iterable[str]) -> list[str]:
+    """One message per key in `given` (dotted keys the user set) that the method does not read."""
+    reads = declared(cfg)
+    out = []
+    for key in sorted(set(given)):
+        matches = [r for r in reads if _covers(r.key, key) or _covers(key, r.key)]
+        if any(not r.when or r.test(cfg) for r in matches):
+            continue
+        name = cfg.algorithm.name
+        if matches:
+            out.append(f"{key} is read only {matches[0].when} (algorithm.name={name})")
+            continue
+        who = readers(key)
+        kind = "offline, no sampling" if name == "dpo" else ("language models" if METHODS[name] == "lm"
+                                                              else "flow-matching models")
+        why = WHY.get(key)
+        out.append(f"{key} is not read by algorithm.name={name} ({kind})" + (f": {why}" if why else "")
+                   + (f"; read by {', '.join(who)}" if who else ""))
+    return out
+
+
+def prune(tree: dict, cfg, prefix: str = "") -> dict:
+    """The config tree with only the keys the method reads under the current settings."""
+    reads = [r for r in declared(cfg) if not r.when or r.test(cfg)]
+    out = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if any(_covers(r.key, key) for r in reads):
+            out[k] = v
+        elif isinstance(v, dict) and any(_covers(key, r.key) for r in reads):
+            out[k] = prune(v, cfg, key + ".")
+    return out
+
+
+def readers(key: str) -> list[str]:
+    """The methods that can read `key` (in some setting): the `--help-config` column."""
+    out = []
+    for name, modality in METHODS.items():
+        reads = OWN["dpo"] if name == "dpo" else [*ONLINE, *(LM if modality == "lm" else FLOW), *OWN[name]]
+        if any(_covers(r.key, key) for r in reads):
+            out.append(name)
+    return out

@@ -1,0 +1,445 @@
+"""Flow-matching image and video models behind the modality protocol (regen/modalities/base.py):
+Flow-GRPO, Flow-DPPO, DiffusionNFT and AWM.
+
+What a flow method trains on differs in kind from a token sequence, which is why the work of
+each stage differs while the loop does not:
+  sample     n images (videos) per prompt: SDE steps where a per-step method trains on them (the
+             rest ODE), noise drawn up front for the whole batch so any slice samples its rows
+  fixed      per-step methods (flow_grpo, flow_dppo): the behaviour policy's log-probs and
+             Gaussian means of each SDE step and the reference's means (for the KL)
+  advantage  Flow-GRPO's group advantage, clipped (std per group, per batch, or none)
+  update     flow_grpo / flow_dppo: the clipped ratio / KL trust region over re-scored SDE
+             transitions (T = steps); nft / awm: clean samples pushed back through the forward
+             process at a random t, no likelihood at all
+The math is in regen/algorithms/flow.py, the model in regen/policies/flow.py.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from regen.algorithms.flow import (
+    awm_loss,
+    ema_update_,
+    flow_dppo_loss,
+    flow_group_advantages,
+    flow_grpo_loss,
+    gaussian_mean_kl,
+    nft_ema_decay,
+    nft_loss,
+    nft_optimality,
+)
+from regen.algorithms.losses import batch_denominators
+from regen.modalities.base import Advantages, Modality
+from regen.modalities.flow_media import save_media
+from regen.policies.flow import FlowPolicy, FlowSample, draw_noise
+from regen.policies.flow_load import load_flow_policy
+from regen.policies.flow_lora import (
+    BaseView,
+    add_lora,
+    load_adapter,
+    load_state,
+    merged,
+    save_adapter,
+    swapped,
+    trainable_state,
+)
+from regen.rewards import Sample
+from regen.runtime import checkpoint as ckpt
+from regen.runtime.dist import Dist
+from regen.runtime.metrics import nanmean
+from regen.samplers.flow import sde_steps, window_start
+
+PER_STEP = ("flow_grpo", "flow_dppo")  # trained on re-scored SDE transitions
+NFT_OLD, WEIGHT_EMA = "nft_old.safetensors", "weight_ema.safetensors"  # in each checkpoint
+EVAL_SEED_OFFSET = 7919  # held-out samples draw from their own stream: before/after on equal noise
+
+
+@dataclass
+class FlowPlan:
+    """The randomness of one step's sampling, for the whole batch: which steps are SDE steps,
+    and the noise (x_T, then one tensor per SDE step) drawn in that order from the run's
+    generator. A share of the batch takes its rows (select). Shipped to a rollout actor, only
+    the generator state travels and the actor draws the same tensors again (cheap to send)."""
+
+    sde: torch.Tensor  # (S,) bool
+    state: torch.Tensor  # the generator's state before the draws
+    total: int  # rows of the whole batch
+    shape: tuple
+    rows: torch.Tensor | None = None  # this share's rows; None = all
+    drawn: tuple | None = field(default=None, repr=False)  # (x_T, [eps]) of the whole batch
+
+    @classmethod
+    def draw(cls, gen: torch.Generator, sde: torch.Tensor, total: int, shape: tuple) -> FlowPlan:
+        state = gen.get_state()
+        return cls(sde, state, total, tuple(shape), None, draw_noise(gen, total, shape, sde))
+
+    def select(self, rows: torch.Tensor) -> FlowPlan:
+        return replace(self, rows=rows if self.rows is None else self.rows[rows])
+
+    def cpu(self) -> FlowPlan:
+        return self  # drawn on the CPU
+
+    def noise(self) -> tuple:
+        if self.drawn is None:
+            gen = torch.Generator().manual_seed(0)
+            gen.set_state(self.state)
+            self.drawn = draw_noise(gen, self.total, self.shape, self.sde)
+        x, eps = self.drawn
+        pick = (lambda t: t) if self.rows is None else (lambda t: t[self.rows])  # noqa: E731
+        return pick(x), [None if e is None else pick(e) for e in eps]
+
+    def __getstate__(self):  # to a rollout actor: the state, not the tensors
+        return {**self.__dict__, "drawn": None}
+
+
+@dataclass
+class FlowMinibatch:
+    batch: FlowSample
+    idx: torch.Tensor
+    adv: Advantages
+    fixed: dict
+    denoms: dict
+    noise: tuple | None  # the ODE methods' (t (M,), eps (M, *x)), drawn for the whole minibatch
+
+
+class FlowModality(Modality):
+    kind = "flow"
+
+    def __init__(self, cfg, device: torch.device, dist: Dist, state: dict | None = None, alerts=None,
+                 sampler_only: bool = False):
+        self.cfg, self.device, self.dist, self.alerts = cfg, device, dist, alerts
+        self.gen_device = torch.device("cpu")  # noise is drawn on the CPU (the same on any device)
+        self._sde: dict[int, torch.Tensor] = {}  # each planned step's SDE steps (dynamic sampling reuses them)
+        a, f = cfg.algorithm, cfg.flow
+        folder = None if state is None else state["folder"]
+        self.policy = build_policy(cfg, device, None if state is None or sampler_only else state["model_dir"])
+        self.ref = self.ema = self.weight_ema = None
+        if sampler_only:
+            self.policy.unet.eval()
+            return
+        if a.name == "flow_grpo" and a.kl_coef > 0:  # the run's starting model, also after a resume
+            if cfg.model.lora is not None:
+                self.ref = BaseView(self.policy.unet)  # the base is the network with its adapter off: no copy
+            else:
+                start = self.policy if state is None else build_policy(cfg, device)
+                self.ref = copy.deepcopy(start.unet).eval().requires_grad_(False)
+        slow = a.name == "nft" or (a.name == "awm" and a.kl_coef > 0)
+        self.ema = frozen_copy(self.policy.unet, folder, NFT_OLD, alerts) if slow else None
+        self.weight_ema = frozen_copy(self.policy.unet, folder, WEIGHT_EMA, alerts) if f.weight_ema is not None \
+            else None
+        if cfg.train.gradient_checkpointing:
+            self.policy.unet.enable_gradient_checkpointing()  # diffusers: recompute in backward
+        if dist.on:  # the update's forwards go through DDP's wrapper; FSDP2 shards in place
+            wrapped = dist.wrap(self.policy.unet)
+            self.policy.ddp_unet = wrapped if wrapped is not self.policy.unet else None
+            if dist.sharded:  # frozen copies sharded alike, so the EMAs update shard by shard
+                for net in (self.ref, self.ema, self.weight_ema):
+                    if isinstance(net, torch.nn.Module):
+                        dist.wrap(net, trainable=False)
+        self.per_step = a.name in PER_STEP
+        self.single_pass = cfg.train.ppo_epochs == 1 and cfg.train.global_minibatch_size == \
+            cfg.rollout.global_batch_size
+
+    @property
+    def trained(self) -> torch.nn.Module:
+        return self.policy.unet
+
+    def frozen(self) -> tuple[list, list]:
+        return [], [self.ref, self.ema, self.weight_ema]
+
+    # ------------------------------------------------------------------ 1. sample
+
+    def trained_steps(self, gen: torch.Generator, step: int) -> torch.Tensor:
+        """(S,) bool: the SDE steps of this step's rollouts (none for the ODE methods)."""
+        f = self.cfg.flow
+        if self.cfg.algorithm.name not in PER_STEP:
+            return torch.zeros(f.steps, dtype=torch.bool)
+        if f.sde_window is None:
+            return sde_steps(f.steps, "all")
+        start = window_start(step - 1, f.steps, f.sde_window, f.window_policy, generator=gen,
+                             shift_every=f.window_shift_every, start=f.window_start)
+        return sde_steps(f.steps, "window", f.sde_window, start)
+
+    def plan(self, gen: torch.Generator, step: int, again: bool = False) -> FlowPlan:
+        """again: another sampling round of the same step (DAPO dynamic sampling): the same SDE
+        steps, so that the rounds' samples form one batch."""
+        sde = self._sde[step] if again else self.trained_steps(gen, step)
+        self._sde = {s: v for s, v in self._sde.items() if s >= step - 1} | {step: sde}
+        return FlowPlan.draw(gen, sde, self.cfg.rollout.global_batch_size, self.policy.sample_shape)
+
+    def sample(self, prompts: list[str], n: int, plan: FlowPlan, behaviour: bool = False) -> FlowSample:
+        """behaviour: also keep each SDE step's Gaussian mean (for batches trained on after the
+        weights moved: Flow-DPPO's trust region is measured against the sampling weights)."""
+        f = self.cfg.flow
+        return self.policy.rollout(prompts, n, plan.noise(), f.steps, plan.sde, f.noise_level, f.sampler, f.shift,
+                                   f.guidance, keep_states=bool(plan.sde.any()),
+                                   keep_means=behaviour and bool(plan.sde.any()))
+
+    def concat(self, parts: list[FlowSample]) -> FlowSample:
+        return FlowSample.concat([p.to(self.device) for p in parts])
+
+    def sync_state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().to("cpu") for k, v in trainable_state(self.policy.unet).items()}  # LoRA: adapter
+
+    def sync_local(self, step: int) -> dict[str, float]:
+        return {}  # the sampler is the trained model
+
+    # ------------------------------------------------------------------ 2. score
+
+    def reward_samples(self, items, batch: FlowSample) -> list[Sample]:
+        """The prompt, its row's attributes, and the pixels as uint8 (the policy decodes latents;
+        (H, W, 3) images, (F, H, W, 3) videos)."""
+        return to_samples(self.policy, batch, items, self.cfg.rollout.group_size)
+
+    @torch.no_grad()
+    def fixed_terms(self, batch: FlowSample) -> dict:
+        """Per-step methods: the behaviour policy's log-probs and means (needed only after the first
+        pass over the batch) and the reference's means for the KL. Under torchrun each rank
+        computes its rows; all ranks get all."""
+        c, d = self.cfg, self.dist
+        f = c.flow
+        out: dict = {}
+        if not self.per_step:
+            return out
+        mine = batch.select(d.my_rows(torch.arange(len(batch.prompts))))
+        if not self.single_pass:
+            logp, means, _ = self.policy.step_logprobs(mine, f.noise_level, f.sampler, f.guidance)
+            out["logp"], out["means"] = d.gather_rows(logp), _gather_means(means, d)
+        if self.ref is not None:
+            means = self.policy.step_logprobs(mine, f.noise_level, f.sampler, f.guidance, unet=self.ref)[1]
+            out["ref_means"] = _gather_means(means, d)
+        return out
+
+    def behaviour_terms(self, batch: FlowSample, fixed: dict) -> dict:
+        """A batch sampled with older weights (Ray, max_staleness >= 1): the ratio and the trust
+        region are taken against the sampling weights' log-probs and means, returned with it."""
+        if not self.per_step:
+            return fixed  # NFT / AWM train on clean samples: any sampler's are fine
+        return {**fixed, "logp": batch.log_probs.to(self.device), "means": batch.means}
+
+    # ------------------------------------------------------------------ 3. advantage
+
+    def advantages(self, rewards: torch.Tensor, batch: FlowSample, fixed: dict) -> Advantages:
+        c = self.cfg
+        adv, valid, m = flow_group_advantages(rewards, c.rollout.group_size, c.algorithm.std_normalize,
+                                              c.flow.adv_clip)
+        adv, valid = adv.to(self.device), valid.to(self.device)
+        mask = (batch.sde.to(self.device)[None, :] & valid[:, None]).float() if self.per_step \
+            else valid[:, None].float()
+        return Advantages(adv, valid, mask, m)
+
+    # ------------------------------------------------------------------ 4. update
+
+    def minibatch(self, batch: FlowSample, idx, adv: Advantages, fixed: dict, gen) -> FlowMinibatch:
+        # the ODE methods' point of the forward process for each sample, drawn for the whole
+        # minibatch so that micro-batching (and the rank split) never changes it
+        noise = None if self.per_step else (torch.rand(len(idx), generator=gen),
+                                            torch.randn((len(idx), *batch.x0.shape[1:]), generator=gen))
+        return FlowMinibatch(batch, idx, adv, fixed, batch_denominators(adv.mask[idx]), noise)
+
+    def micro_loss(self, mini: FlowMinibatch, pos: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """(loss, metrics) of the minibatch rows at positions `pos` for the configured method."""
+        c = self.cfg
+        a, f = c.algorithm, c.flow
+        rows = mini.idx[pos]
+        sub, adv, valid, fixed = mini.batch.select(rows), mini.adv.adv[rows], mini.adv.valid[rows], mini.fixed
+        B = len(rows)
+        if self.per_step:
+            logp, means, stds = self.policy.step_logprobs(sub, f.noise_level, f.sampler, f.guidance)
+            # first pass over a batch: the behaviour policy is the current one (ratio 1, KL 0)
+            old = logp.detach() if "logp" not in fixed else fixed["logp"][rows]
+            mask = mini.adv.mask[rows]
+            if a.name == "flow_grpo":
+                kl = _step_kl(means, _rows(fixed["ref_means"], rows), stds, B) if self.ref is not None else None
+                return flow_grpo_loss(logp, old, adv, mask, a.clip_low, kl, a.kl_coef, mini.denoms,
+                                      clip_high=a.clip_high)
+            now = [None if m is None else m.detach() for m in means]
+            old_means = _rows(fixed["means"], rows) if "means" in fixed else now
+            return flow_dppo_loss(logp, old, adv, mask, _step_kl(now, old_means, stds, B), f.dppo_tau, mini.denoms)
+        # ODE methods: a random point of the forward process for each clean sample
+        x0 = sub.x0
+        t, eps = (z[pos].to(self.device) for z in mini.noise)
+        tt = t.view(B, *[1] * (x0.dim() - 1))
+        xt = (1 - tt) * x0 + tt * eps
+        cond = self.policy.encoder(sub.prompts)
+        v = self.policy.velocity(xt, t, cond)
+        if a.name == "nft":
+            with torch.no_grad():
+                v_old = self.policy.velocity(xt, t, cond, unet=self.ema)
+            r = nft_optimality(adv, f.adv_clip, valid)
+            return nft_loss(v, v_old, x0, xt, t, r, f.nft_beta, denoms=mini.denoms)
+        weight = None if f.awm_weight == "uniform" else f.awm_weight
+        anchor = None
+        if self.ema is not None:  # kl_coef > 0: the EMA anchor's velocity at the same point
+            with torch.no_grad():
+                anchor = self.policy.velocity(xt, t, cond, unet=self.ema)
+        return awm_loss(v, x0, eps, t, adv, weight=weight, valid=valid, denoms=mini.denoms, v_anchor=anchor,
+                        anchor_coef=a.kl_coef)
+
+    def after_update(self, step: int) -> None:
+        """NFT's old policy (AWM's anchor) and the weight EMA move toward the new weights."""
+        f = self.cfg.flow
+        if self.ema is not None:  # DiffusionNFT's old policy follows the new one slowly
+            ema_update_(*trained_pairs(self.ema, self.policy.unet), nft_ema_decay(step, f.ema_rate, f.ema_max))
+        if self.weight_ema is not None:
+            ema_update_(*trained_pairs(self.weight_ema, self.policy.unet), f.weight_ema)
+
+    def batch_metrics(self, batch: FlowSample) -> dict[str, float]:
+        return {"sde_steps": float(batch.sde.sum())}
+
+    # ------------------------------------------------------------------ books
+
+    def _copies(self):
+        return ((NFT_OLD, self.ema), (WEIGHT_EMA, self.weight_ema))
+
+    def gather(self):
+        """Under FSDP2 the full weights of the network and of its EMA copies (collective)."""
+        d = self.dist
+        if not d.sharded:
+            return None
+        return d.full_model_state(self.policy.unet), {name: d.full_model_state(net) for name, net in self._copies()
+                                                      if net is not None}
+
+    def save(self, folder: Path, gathered) -> None:
+        weights, copies = gathered or (None, {})
+        model_dir = folder / "model"
+        if self.cfg.model.lora is not None:
+            save_adapter(self.policy.unet, model_dir, self.cfg.model.lora)  # the base is model.path
+        else:
+            with swapped(self.policy, plain_copy(self.policy.unet, weights)):
+                self.policy.save_pretrained(model_dir)
+        for name, net in self._copies():
+            if net is not None:
+                state = copies[name] if name in copies else trainable_state(net)
+                save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(folder / name))
+
+    def restore(self, folder: Path | None) -> None:
+        """Weights, NFT's old policy and the weight EMA back to checkpoint `folder` (or the start)."""
+        back = build_policy(self.cfg, self.device, None if folder is None else folder / "model")
+        self.dist.load_model_state(self.policy.unet, back.unet.state_dict())
+        for name, net in self._copies():
+            if net is not None:
+                reload_copy(net, self.policy.unet, folder, name, self.alerts, self.dist)
+
+    def export(self, folder: Path, gathered) -> None:
+        """The weight EMA when kept, LoRA merged in (loads without peft)."""
+        net = self.weight_ema if self.weight_ema is not None else self.policy.unet
+        if gathered is not None:  # FSDP2: an unsharded copy from the gathered weights
+            weights, copies = gathered
+            net = plain_copy(net, copies.get(WEIGHT_EMA, weights) if self.weight_ema is not None else weights)
+        with swapped(self.policy, merged(net) if self.cfg.model.lora is not None else net):
+            self.policy.export(folder)
+
+    def evaluate(self, items, reward, run_dir: Path, step: int) -> dict[str, float]:
+        """Held-out prompts, sampled with the ODE and fixed noise; mean reward of each term and
+        the prompt adherence, with the first samples saved as PNG/GIF under samples/."""
+        e, f = self.cfg.eval, self.cfg.flow
+        items = items[: e.num_prompts]
+        gen = torch.Generator().manual_seed(self.cfg.run.seed + EVAL_SEED_OFFSET)
+        net = self.policy.unet if self.weight_ema is None else self.weight_ema  # Flow-GRPO evaluates its EMA
+        with swapped(self.policy, net):
+            out = self.policy.sample_ode([it.prompt for it in items], e.samples_per_prompt, gen, f.eval_steps, f.shift,
+                                         f.guidance)
+        samples = to_samples(self.policy, out, items, e.samples_per_prompt)
+        total, parts = reward(samples)
+        metrics = {"eval/reward": nanmean(total), **{f"eval/{k}": nanmean(v) for k, v in parts.items()}}
+        if all("colour" in it.meta for it in items):  # the built-in shapes: did it draw what was asked?
+            from regen.rewards.adherence import AdherenceAccuracy
+
+            # logged beside any reward, so a reward that is hacked (a flat colour) shows here
+            metrics["eval/adherence_accuracy"] = nanmean(AdherenceAccuracy()(samples))
+        if self.dist.main:
+            save_media(run_dir, step, out, total, policy=self.policy)
+        return metrics
+
+
+def to_samples(policy: FlowPolicy, batch: FlowSample, items, n: int) -> list[Sample]:
+    """What a reward sees: the prompt, its row's attributes, and the pixels as uint8."""
+    from regen.tasks.shapes import to_uint8
+
+    with torch.no_grad():
+        pix = to_uint8(policy.decode(batch.x0).cpu()).numpy()
+    return [Sample(items[i // n].prompt, "", items[i // n].meta, True, pix[i]) for i in range(len(pix))]
+
+
+def _gather_means(means: list, d: Dist) -> list:
+    return [None if m is None else d.gather_rows(m) for m in means]
+
+
+def _step_kl(means: list, other: list, stds: list[float], B: int) -> torch.Tensor:
+    """(B, S) exact KL between the Gaussians of each SDE step (0 on ODE steps); `means` and
+    `other` hold (B, *x) per SDE step and None on ODE steps."""
+    kl = torch.zeros(B, len(means), device=next(m for m in means if m is not None).device)
+    for i, (m, o) in enumerate(zip(means, other)):
+        if m is not None:
+            kl[:, i] = gaussian_mean_kl(m, o.to(m.device), stds[i], batch_dims=1)
+    return kl
+
+
+def _rows(means: list, rows) -> list:
+    return [None if m is None else m[rows.to(m.device)] for m in means]
+
+
+def build_policy(cfg, device: torch.device, model_dir: Path | None = None) -> FlowPolicy:
+    """The policy to train: the starting model, or a checkpoint's model/ (resume, rollback);
+    with model.lora, the starting model plus a fresh adapter or the checkpoint's."""
+    lora = cfg.model.lora
+    source = cfg.model if model_dir is None or lora is not None else ckpt.resumed_model(cfg.model, {"model_dir": model_dir})
+    policy = load_flow_policy(source, cfg.run.seed, device)
+    if lora is not None:
+        add_lora(policy.unet, lora, cfg.run.seed)
+        if model_dir is not None:
+            load_adapter(policy.unet, model_dir)
+    # RL trains the velocity model only; the prompt encoder stays as pretrained, as text
+    # encoders do in Flow-GRPO / DiffusionNFT. A moving encoder would also move NFT's
+    # "old" policy (the EMA UNet reads the same prompt vectors).
+    policy.encoder.requires_grad_(False)
+    return policy
+
+
+def frozen_copy(net: torch.nn.Module, folder: Path | None, name: str, alerts) -> torch.nn.Module:
+    """A frozen copy of `net` (NFT's old policy, the weight EMA), with the trained tensors saved
+    as `name` in checkpoint `folder` when given; a checkpoint without them starts a new copy."""
+    out = copy.deepcopy(net).eval().requires_grad_(False)
+    if folder is not None:
+        reload_copy(out, net, folder, name, alerts)
+    return out
+
+
+def reload_copy(out: torch.nn.Module, net: torch.nn.Module, folder: Path | None, name: str, alerts,
+                d: Dist | None = None) -> None:
+    """Set the copy `out` from checkpoint `folder`'s `name`, or, without it, to `net`'s weights
+    (d: under FSDP2 both are sharded, and a saved file holds the full tensors)."""
+    d = d or Dist()
+    file = None if folder is None else folder / name
+    if file is not None and file.is_file():
+        state = load_file(str(file))
+        if d.sharded:
+            d.load_model_state(out, state)
+        else:
+            load_state(out, state, str(file))
+        return
+    if folder is not None and alerts is not None:
+        alerts.fire(-1, "checkpoint_incomplete", f"{folder.name} holds no {name}: it starts from the current weights")
+    out.load_state_dict(net.state_dict())
+
+
+def trained_pairs(copy_net: torch.nn.Module, net: torch.nn.Module) -> tuple[list, list]:
+    """The copy's and the network's parameters that training changes, in the same order."""
+    names = {n for n, p in net.named_parameters() if p.requires_grad}
+    return ([p for n, p in copy_net.named_parameters() if n in names], [p for n, p in net.named_parameters() if n in names])
+
+
+def plain_copy(net: torch.nn.Module, weights: dict | None) -> torch.nn.Module:
+    """`net` itself, or (weights gathered from FSDP2 shards) an unsharded module of its class with them."""
+    if weights is None:
+        return net
+    plain = type(net).from_config(net.config)
+    plain.load_state_dict(weights)
+    return plain

@@ -1,0 +1,40 @@
+"""Flow samples kept in the run directory: PNG images and GIF videos under samples/, with a
+JSONL row each (what `regen report` shows beside each sample's reward)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from regen.policies.flow import FlowPolicy, FlowSample
+
+
+def save_media(run_dir: Path, step: int, sample: FlowSample, rewards: list[float] | None = None, limit: int = 16,
+               policy: FlowPolicy | None = None):
+    """The first `limit` samples as PNG (images) or GIF (videos) under samples/step_N/, with a
+    samples/step_N.jsonl row each (prompt, reward, image path relative to the run dir).
+    `policy` decodes sample.x0 to pixels (latent models); without it x0 must be pixels."""
+    from PIL import Image
+
+    from regen.modalities.lm_eval import write_samples
+    from regen.tasks.shapes import to_uint8
+
+    folder = run_dir / "samples" / f"step_{step:08d}"
+    folder.mkdir(parents=True, exist_ok=True)
+    x0 = sample.x0[:limit]
+    pix = to_uint8((x0 if policy is None else policy.decode(x0)).detach().cpu())
+    up = max(1, 64 // pix.shape[-2])  # small samples upscaled to 64 px so they can be seen, large ones kept
+    size = (pix.shape[-2] * up, pix.shape[-3] * up)  # PIL: (width, height)
+    rows = []
+    for i, arr in enumerate(pix):
+        row = {"prompt": sample.prompts[i], "reward": None if rewards is None else rewards[i]}
+        if arr.dim() == 4:  # video: an animated GIF
+            frames = [Image.fromarray(f.numpy()).resize(size, Image.NEAREST) for f in arr]
+            path = folder / f"{i}.gif"
+            frames[0].save(path, save_all=True, append_images=frames[1:], duration=120, loop=0)
+            row["video"] = str(path.relative_to(run_dir))
+        else:
+            path = folder / f"{i}.png"
+            Image.fromarray(arr.numpy()).resize(size, Image.NEAREST).save(path)
+            row["image"] = str(path.relative_to(run_dir))
+        rows.append(row)
+    write_samples(run_dir, step, rows)

@@ -1,0 +1,25 @@
+"""Where the work runs, for every modality: one process, torchrun ranks, or Ray actors.
+
+  local.py        LocalRollouts: the trained model samples in this process (each torchrun rank
+                  its share of the groups, gathered)
+  ray.py          RayRollouts / RayReward: rollout and reward actors, weight sync with versions,
+                  one-step-ahead sampling (max_staleness), dead actors replaced
+  ray_workers.py  the actor classes
+  vllm.py         rollout.engine=vllm: a vLLM engine samples in the trainer's process
+  checks.py       the combinations refused before anything is written
+Data parallelism itself (DDP / FSDP2 around the trained model, collectives) is regen/runtime/dist.py.
+"""
+
+from __future__ import annotations
+
+
+def place(cfg, d, modality, reward, data, prompts, start_step: int):
+    """(reward, rollout source) of the run: in this process, split over torchrun ranks, or on Ray actors."""
+    if cfg.distributed.mode == "ray":
+        from regen.placement.ray import RayReward, RayRollouts
+
+        return RayReward(cfg), RayRollouts(modality, data, prompts, cfg, start_step)
+    from regen.placement.local import LocalRollouts
+    from regen.rewards.sharded import ShardedReward
+
+    return (ShardedReward(reward, d) if d.on else reward), LocalRollouts(modality, data, prompts, cfg, d)

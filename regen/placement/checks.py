@@ -1,0 +1,62 @@
+"""The combinations of model, method and placement that are refused, before anything is
+written: which loop trains this model with this method, and what torchrun, FSDP2, Ray and
+vLLM support."""
+
+from __future__ import annotations
+
+from regen.config import RLConfig
+from regen.errors import UserError
+from regen.runtime import dist as rdist
+
+
+def check_split(cfg: RLConfig, d: rdist.Dist) -> None:
+    """Under torchrun the groups of a step and the rows of a minibatch must split evenly."""
+    G, mb, W = cfg.prompts_per_step, cfg.train.global_minibatch_size, d.world
+    where = f"under torchrun with {W} processes"
+    if G % W:
+        raise UserError(f"rollout.global_batch_size / group_size = {G} prompts per step cannot be split evenly "
+                        f"{where}: make it a multiple of {W}")
+    if mb % W:
+        raise UserError(f"train.global_minibatch_size={mb} cannot be split evenly {where}")
+
+
+def which_loop(cfg: RLConfig) -> str:
+    """'online' or 'dpo': how this model is trained with this algorithm, or a clear error when
+    the model and the method's modality do not go together."""
+    from regen.policies.flow_load import is_flow_model
+
+    flow_algo, flow_model = cfg.modality == "flow", is_flow_model(cfg.model)
+    model = cfg.model.path or cfg.model.init
+    if flow_algo and not flow_model:
+        raise UserError(f"algorithm.name={cfg.algorithm.name} trains flow-matching image/video models; model "
+                        f"'{model}' is a language model (use grpo, ppo, gspo or dpo)")
+    if flow_model and not flow_algo:
+        raise UserError(f"model '{model}' is a flow-matching model: use algorithm.name flow_grpo, flow_dppo, nft "
+                        f"or awm, not {cfg.algorithm.name}")
+    mode = cfg.distributed.mode
+    spread = mode in ("torchrun", "ray") or (mode == "auto" and rdist.launched_by_torchrun())
+    if spread and cfg.algorithm.name == "dpo":
+        raise UserError(f"distributed.mode={mode}: DPO trains in one process")
+    return "dpo" if cfg.algorithm.name == "dpo" else "online"
+
+
+def check_placement(cfg: RLConfig, d: rdist.Dist) -> None:
+    """Refuse combinations that are not supported, before anything is written."""
+    t = cfg.train
+    if cfg.distributed.mode == "ray" and cfg.rollout.engine == "vllm":
+        raise UserError("rollout.engine=vllm with distributed.mode=ray: not supported yet; use vllm in one process "
+                        "(colocated) or the hf engine on Ray rollout actors")
+    if d.on and cfg.rollout.engine == "vllm":
+        raise UserError("rollout.engine=vllm under torchrun: not supported yet; run vllm in one process")
+    if not d.on:
+        return
+    check_split(cfg, d)
+    if d.sharded and cfg.model.lora is not None:
+        raise UserError("distributed.strategy=fsdp with model.lora: a LoRA adapter is small enough to replicate; "
+                        "use distributed.strategy=ddp")
+    if d.sharded and t.precision == "fp16":
+        raise UserError("distributed.strategy=fsdp with train.precision=fp16: loss scaling of sharded gradients "
+                        "is not supported; use bf16")
+    if d.sharded and t.offload:
+        raise UserError("distributed.strategy=fsdp with train.offload: FSDP2 already spreads the optimizer state "
+                        "over the ranks; turn offload off")

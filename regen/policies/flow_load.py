@@ -1,0 +1,30 @@
+"""Which flow model a config names, and loading it: a built-in recipe (model.init), a regen flow
+folder (flow_policy.json), or a diffusers SD3 / Wan pipeline folder."""
+
+from __future__ import annotations
+
+import torch
+
+from regen.policies.flow import FlowPolicy
+
+FLOW_RECIPES = {"shapes-unet": False, "moving-shapes-unet": True}  # name -> video?
+
+
+def is_flow_model(model_cfg) -> bool:
+    if model_cfg.init is not None:
+        return model_cfg.init in FLOW_RECIPES
+    from regen.policies.flow_latent import model_kind
+
+    # a regen flow folder (flow_policy.json), or a diffusers SD3 / Wan pipeline folder
+    return model_kind(model_cfg.path) is not None
+
+
+def load_flow_policy(model_cfg, seed: int, device: torch.device) -> FlowPolicy:
+    if model_cfg.init is not None:
+        return FlowPolicy.builtin(FLOW_RECIPES[model_cfg.init], seed, device)
+    from regen.policies.flow_latent import model_kind, policy_class
+
+    # dispatch on flow_policy.json's kind (or model_index.json's pipeline class): the built-in
+    # UNet, SD3 or Wan
+    cls = policy_class(model_kind(model_cfg.path) or "shapes")
+    return cls.load(model_cfg.path, device, getattr(torch, model_cfg.dtype))

@@ -1,0 +1,316 @@
+"""Run: everything around the RL loop that is not the loop, for every modality.
+
+Start (inputs checked before the run directory is touched, the run directory prepared or
+resumed, the model built by its modality adapter), checkpoints (rank 0 writes, a failed write
+is an alert), rollback to the last healthy checkpoint, the health checks and alerts of each
+step (missing rewards, unscored steps, scorer version, non-finite streaks, collapse, KL,
+stall), the S3 mirror, evaluation cadence, export and close. A guarantee written here holds
+for language and flow models alike; `regen.train.loop.train` reads top to bottom because the
+books are kept here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from regen.config import RLConfig, dump_config, incompatible_changes, redact
+from regen.data import EpochSampler, PromptItem, load_prompts
+from regen.errors import RunStopped, UserError
+from regen.modalities import modality_class
+from regen.modalities.base import Modality
+from regen.placement import place
+from regen.placement.checks import check_placement
+from regen.policies.lm import resolve_device
+from regen.rewards import CombinedReward
+from regen.runtime import checkpoint as ckpt
+from regen.runtime import dist as rdist
+from regen.runtime.alerts import Alerts
+from regen.runtime.health import HealthMonitor
+from regen.runtime.loggers import require as require_loggers
+from regen.runtime.metrics import MetricsLogger
+from regen.runtime.offload import PhaseHooks, loop_hooks
+from regen.runtime.optim import lr_at, make_optimizer, set_lr
+from regen.runtime.precision import Precision
+from regen.runtime.rundir import end_status, mark_closed, mark_running, prepare, setup_torch, versions
+
+
+@dataclass
+class Run:
+    cfg: RLConfig
+    run_dir: Path
+    m: Modality  # the models and what each stage does with them (regen/modalities/)
+    opt: torch.optim.Optimizer
+    data: EpochSampler
+    gen: torch.Generator  # every random draw of sampling and the update (saved in checkpoints)
+    reward: object  # CombinedReward, or its torchrun / Ray placement
+    prompts: list[PromptItem]
+    eval_items: list[PromptItem]
+    log: MetricsLogger
+    alerts: Alerts
+    health: HealthMonitor
+    start_step: int
+    rollout: object  # where samples come from: LocalRollouts or RayRollouts (regen/placement/)
+    dist: rdist.Dist = field(default_factory=rdist.Dist)  # torchrun rank / world size (single: rank 0 of 1)
+    precision: Precision | None = None  # train.precision: autocast and loss scaling
+    hooks: PhaseHooks = field(default_factory=PhaseHooks)  # at each phase change (train.offload parks state)
+    mirror: object | None = None  # S3Mirror when mirror.url is set
+    expected_versions: dict | None = None  # reward versions of the checkpoint resumed (alert when they change)
+    unscored: int = 0  # consecutive steps in which no sample got a score
+
+    @classmethod
+    def start(cls, cfg: RLConfig, resume: bool = False, force: bool = False) -> Run:
+        # Check everything the user gave before touching the run directory.
+        device = resolve_device(cfg.run.device)
+        d = rdist.start(cfg.distributed.mode, cfg.distributed.strategy, cfg.distributed.backend, device)
+        check_placement(cfg, d)
+        reward, prompts, eval_items = run_inputs(cfg)
+        run_dir, resume = prepare_on_rank0(cfg, resume, d)
+        setup_torch(cfg.run.threads, cfg.run.seed)
+        alerts = Alerts(run_dir, webhook_url=cfg.health.webhook_url)
+        mirror = open_mirror(cfg, alerts) if d.main else None
+        if mirror is not None and not resume and mirror.list_complete():
+            # nothing here but checkpoints in the bucket: continue from the newest valid one
+            if mirror.download_latest(run_dir / "checkpoints") is not None:
+                resume = True
+        resume = d.broadcast_object(resume)
+        state = resume_state(cfg, run_dir, alerts, force) if resume else None
+
+        m = modality_class(cfg)(cfg, device, d, state, alerts)
+        opt = make_optimizer(m.trained, cfg.optim)
+        data = EpochSampler(len(prompts), cfg.run.seed)
+        gen = torch.Generator(device=m.gen_device).manual_seed(cfg.run.seed)
+        health = HealthMonitor(cfg.health, alerts)
+        start_step = restore_books(state, run_dir, opt, data, gen, health,
+                                   load_optimizer=lambda sd: d.load_optim_state(m.trained, opt, sd))
+        if d.main:
+            dump_config(cfg, run_dir / "config.yaml")
+            mark_running(run_dir)  # run.json: `regen status` tells a live run from a dead one
+            log = MetricsLogger(run_dir, cfg.log, config=cfg, resume=state is not None,
+                                warn=lambda step, msg: alerts.fire(step, "logger_failed", msg))
+        else:
+            cfg.log.progress, log = "none", SilentLog()  # one progress bar and one metrics file: rank 0's
+        optimizers, idle = m.frozen()
+        hooks = loop_hooks(cfg.train.offload, device, [opt, *optimizers], idle)
+        reward, rollout = place(cfg, d, m, reward, data, prompts, start_step)
+        return cls(cfg, run_dir, m, opt, data, gen, reward, prompts, eval_items, log, alerts, health, start_step,
+                   rollout, d, Precision(cfg.train.precision, device), hooks, mirror,
+                   state["state"].get("reward_versions") if state else None)
+
+    # ------------------------------------------------------------------ each step
+
+    def set_lr(self, step: int) -> float:
+        """The step's learning rate (schedule x the rollbacks' scale) into the optimizers."""
+        lr = lr_at(step, self.cfg.optim, self.cfg.train.steps) * self.health.lr_scale
+        set_lr(self.opt, lr)
+        self.m.set_lr(lr)
+        return lr
+
+    def check_rewards(self, step: int, adv_metrics: dict) -> None:
+        """Alerts on a step's rewards: too many missing, or a scorer whose version changed since
+        the checkpoint this run resumed from (rewards before and after are not comparable)."""
+        missing = float(adv_metrics["missing_frac"])
+        if missing > self.cfg.health.missing_alert_frac:
+            self.alerts.fire(step, "reward_missing", f"{missing:.0%} of rewards missing", missing_frac=missing)
+        now = self.reward.versions()
+        if self.expected_versions and now != self.expected_versions:
+            self.alerts.fire(step, "scorer_version_changed", f"reward versions {self.expected_versions} at the "
+                             f"checkpoint, now {now}: rewards before and after are not comparable")
+            self.expected_versions = None
+
+    def end_step(self, step: int, metrics: dict, scored: bool, bar) -> None:
+        """Evaluation when due, the metrics row, health (skip / roll back / alert), the periodic
+        checkpoint, and the stop after too many steps without a single score."""
+        cfg = self.cfg
+        if self.eval_items and cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
+            metrics.update(self.evaluate(step))
+        self.log.log(step, metrics)
+        bar.update(step, f"reward {metrics['reward/mean']:.3f}  {metrics['throughput/samples_per_s']:.1f} samples/s")
+        if self.health.observe(step, metrics):  # a non-finite streak (or, if asked, a collapse): roll back
+            self.rollback(step)
+        if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != cfg.train.steps:
+            self.save(step)
+        self.unscored = 0 if scored else self.unscored + 1
+        if self.unscored >= cfg.health.stop_after_unscored_steps:
+            self.save(step)
+            self.alerts.fire(step, "run_stopped", f"no reward came back for {self.unscored} consecutive steps")
+            raise RunStopped(
+                f"stopped at step {step}: no reward came back for {self.unscored} consecutive steps "
+                f"(see {self.run_dir / 'alerts.jsonl'}); a checkpoint was written: fix the scorer and rerun")
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Held-out metrics (eval/*), with the first samples kept under samples/."""
+        return self.m.evaluate(self.eval_items, self.reward, self.run_dir, step)
+
+    # ------------------------------------------------------------------ books
+
+    def save(self, step: int) -> Path | None:
+        """Write a checkpoint; a failed write (disk full...) raises an alert and returns None:
+        earlier checkpoints are untouched and training goes on. Under torchrun every rank calls
+        it (FSDP2 gathers the shards), rank 0 writes."""
+        d = self.dist
+        self.rollout.discard_prefetch()  # a batch sampled ahead is not part of the saved state
+        gathered, opt_state = self.m.gather(), d.full_optim_state(self.m.trained, self.opt)
+
+        def write() -> Path | None:
+            folder = save_run_checkpoint(self, step, gathered, opt_state)
+            if folder is not None and self.mirror is not None:
+                self.mirror.submit(folder)  # background upload; failures become alerts
+            return folder
+
+        folder = d.broadcast_object(write() if d.main else None)  # none reads a checkpoint before it is complete
+        if folder is not None and not d.main:
+            self.health.checkpointed()
+        return folder
+
+    def rollback(self, step: int) -> None:
+        """Weights, optimizer and the modality's extra state (critic, EMA copies) back to the
+        last healthy checkpoint (or the starting model), the learning rate scaled down; past
+        health.max_rollbacks a last checkpoint and the run stops instead. Data and RNG streams
+        keep moving forward, so the batches that went wrong are not replayed."""
+        if self.health.rollbacks >= self.cfg.health.max_rollbacks:
+            self.save(step)
+            raise RunStopped(f"stopped at step {step}: still unhealthy after {self.health.rollbacks} rollbacks "
+                             f"(see {self.run_dir / 'alerts.jsonl'})")
+        folder = ckpt.latest_healthy(self.run_dir)
+        self.m.restore(folder)
+        if folder is None:
+            self.opt.state.clear()  # back to the start: a fresh optimizer
+        else:
+            self.dist.load_optim_state(self.m.trained, self.opt, ckpt.load_checkpoint(folder)["optimizer"])
+        self.rollout.discard_prefetch()  # sampled with the weights being abandoned
+        self.rollout.sync(step)  # rollout workers / engines get the restored weights
+        self.health.rolled_back()
+        self.alerts.fire(step, "rollback", f"rolled back to {folder.name if folder else 'the starting model'}; "
+                         f"learning rate x{self.health.lr_scale:g}", lr_scale=self.health.lr_scale)
+
+    def export(self) -> Path:
+        """The final model in export/ (rank 0 writes; FSDP2 shards gathered first)."""
+        folder = self.run_dir / "export"
+        gathered = self.m.gather()
+        if self.dist.main:
+            self.m.export(folder, gathered)
+            if self.mirror is not None:
+                self.mirror.submit_export(folder)
+        self.dist.barrier()
+        return folder
+
+    def close(self) -> None:
+        self.log.close()
+        if self.mirror is not None:
+            self.mirror.close()  # waits for the uploads still in flight
+        self.rollout.close()
+        if hasattr(self.reward, "close"):
+            self.reward.close()
+        self.m.close()
+        self.alerts.flush()
+        if self.dist.main:
+            mark_closed(self.run_dir, end_status(self.run_dir, self.cfg.train.steps))
+        rdist.stop()
+
+
+class SilentLog:
+    """The metrics logger of torchrun ranks other than 0 (rank 0 writes metrics.jsonl)."""
+
+    def log(self, step: int, metrics: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def run_inputs(cfg: RLConfig) -> tuple[CombinedReward, list[PromptItem], list[PromptItem]]:
+    """Loggers' packages, rewards and prompts: everything the user gave that can be wrong,
+    checked before the run directory is touched."""
+    require_loggers(cfg.log)  # W&B / MLflow installed when turned on
+    reward = CombinedReward.from_config(cfg.reward)
+    skip = cfg.data.on_bad_line == "skip"
+    prompts = load_prompts(cfg.data.train, cfg.task, "data.train", skip, cfg.data.columns)
+    eval_items = load_prompts(cfg.data.eval, cfg.task, "data.eval", skip, cfg.data.columns) if cfg.data.eval else []
+    if len(prompts) < cfg.prompts_per_step:
+        raise UserError(f"data.train: {len(prompts)} prompts, fewer than the {cfg.prompts_per_step} per step")
+    return reward, prompts, eval_items
+
+
+def prepare_on_rank0(cfg: RLConfig, resume: bool, d: rdist.Dist) -> tuple[Path, bool]:
+    """Rank 0 creates or checks the run directory; the others learn the outcome (or its error)."""
+    outcome: tuple = (None, resume, None)
+    if d.main:
+        try:
+            outcome = (*prepare(cfg.run.dir, cfg.run.overwrite, resume), None)
+        except UserError as e:
+            outcome = (None, resume, str(e))
+    run_dir, resume, error = d.broadcast_object(outcome)
+    if error is not None:
+        raise UserError(error)
+    return Path(run_dir), resume
+
+
+def resume_state(cfg: RLConfig, run_dir: Path, alerts: Alerts, force: bool) -> dict:
+    """The newest valid checkpoint, refused when settings that change the computation differ
+    from the ones it was trained with (unless force)."""
+    state = ckpt.load_latest(run_dir, warn=lambda m: alerts.fire(-1, "checkpoint_skipped", m))
+    saved = state["state"].get("config")
+    diff = incompatible_changes(saved, redact(cfg.model_dump(mode="json"))) if saved else []
+    if diff and not force:
+        raise UserError("cannot resume: the config differs from the checkpoint's in "
+                        + "; ".join(diff) + " (pass --force to resume anyway, or use another run.dir)")
+    print(f"resuming from {state['folder']}")
+    return state
+
+
+def restore_books(state: dict | None, run_dir: Path, opt, data, gen, health: HealthMonitor,
+                  load_optimizer=None) -> int:
+    """The step to continue from (0 for a new run): optimizer, data position, RNG streams and
+    health monitor back as the checkpoint `state` left them. load_optimizer(state_dict): how the
+    optimizer takes its state (FSDP2 shards it), default opt.load_state_dict."""
+    if state is None:
+        return 0
+    step = ckpt.restore(state, run_dir, opt, data, gen, load_optimizer)
+    if "health" in state["state"]:
+        health.load_state(state["state"]["health"])
+    return step
+
+
+def save_run_checkpoint(run: Run, step: int, gathered, opt_state: dict | None) -> Path | None:
+    """The checkpoint of an RL run: the modality's weights and extra state, optimizer, RNG
+    streams, data position, health, reward versions, config. opt_state: the optimizer's state
+    gathered from FSDP2 shards, else its own. A failed write (disk full...) raises an alert and
+    returns None: earlier checkpoints are untouched and training goes on."""
+    tree = redact(run.cfg.model_dump(mode="json"))
+    opt = run.opt if opt_state is None else ckpt.Gathered(opt_state)
+    try:
+        folder = ckpt.save_checkpoint(
+            run.run_dir, step, None, opt,
+            rng={"sampler": run.gen.get_state(), "torch_cpu": torch.get_rng_state()},
+            state={"data": run.data.state(), "healthy": not run.health.problem,
+                   "health": run.health.state(), "reward_versions": run.reward.versions(), "config": tree,
+                   "versions": versions(run.cfg.model.path or run.cfg.model.init, run.reward.versions(), tree)},
+            keep_last=run.cfg.checkpoint.keep_last,
+            save_extra=lambda f: run.m.save(f, gathered),
+        )
+    except ckpt.WRITE_ERRORS as e:
+        why = getattr(e, "strerror", None) or str(e)
+        run.alerts.fire(step, "checkpoint_failed", f"checkpoint at step {step} not written: {why}")
+        return None
+    run.health.checkpointed()
+    return folder
+
+
+def open_mirror(cfg: RLConfig, alerts: Alerts):
+    """The S3 mirror, checked at start so a wrong bucket or missing credentials is one clear
+    error now instead of failed uploads later."""
+    if not cfg.mirror.url:
+        return None
+    from regen.runtime.mirror import S3Mirror
+
+    mirror = S3Mirror(cfg.mirror.url, endpoint_url=cfg.mirror.endpoint_url, keep_last=cfg.mirror.keep_last,
+                      on_event=lambda kind, message, **data: alerts.fire(data.pop("step", -1), kind, message, **data)
+                      if kind != "mirror_uploaded" else None)
+    try:
+        mirror.list_complete()
+    except Exception as e:  # botocore raises many types; all mean the same thing here
+        raise UserError(f"mirror.url: cannot list '{cfg.mirror.url}': {type(e).__name__}: {e}") from None
+    return mirror
