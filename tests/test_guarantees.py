@@ -162,3 +162,17 @@ def test_sigterm_finishes_the_step_checkpoints_and_exits_0(signalled, tmp_path):
     assert json.loads((run / "run.json").read_text())["status"] == "stopped"
     assert main(_kill_args(job, run)) == 0
     same_run(reference, run)
+
+
+def test_dynamic_sampling_keeps_only_groups_with_signal(job, tmp_path):
+    # rewards with ties: 0/1 for an answer ending in an even digit, for an image brighter than average
+    reward = "reward=[{name: format, args: {pattern: '.*[02468]', require_eos: false}}]" if job.kind == "lm" else \
+        "reward=[{name: 'tests.reward_fixtures:bright_or_not'}]"
+    run = tmp_path / "dapo"
+    assert main(job.args(run, reward, "train.steps=6", "algorithm.dynamic_sampling=true",
+                         "algorithm.max_sampling_rounds=2")) == 0
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert all(r["dynamic/extra_rounds"] <= 2 for r in rows)
+    assert any(r["dynamic/dropped_groups"] > 0 for r in rows)  # groups without signal were met...
+    full = [r for r in rows if r["dynamic/filled_frac"] == 1.0]
+    assert full and all(r["reward/zero_std_frac"] == 0.0 for r in full)  # ...and replaced by ones with it
