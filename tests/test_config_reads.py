@@ -233,3 +233,44 @@ def test_gradient_checkpointing_recomputes_the_same_gradients(flow_base, tmp_pat
     m = FlowModality(cfg, torch.device("cpu"), Dist())
     assert m.policy.unet.is_gradient_checkpointing
     assert not build_policy(cfg, torch.device("cpu")).unet.is_gradient_checkpointing
+
+
+# --------------------------------------------------------------------------- configs of older runs
+
+
+def _older(tree: dict) -> dict:
+    """A config tree as the regen before one key per concept wrote it: every key, flow's own names."""
+    old = json.loads(json.dumps(tree))
+    old["flow"].update({"clip_range": 0.001, "kl_coef": 0.0, "global_std": False, "awm_kl_coef": 0.0})
+    old["algorithm"]["std_normalize"] = True
+    return old
+
+
+@pytest.mark.parametrize("method", ["grpo", "gspo", "flow_grpo", "nft"])
+def test_a_checkpoint_of_an_older_regen_resumes_without_force(method):
+    from regen.train.run import changed_settings
+
+    cfg = load_config(RLConfig, None, [MODEL[METHODS[method]], f"algorithm.name={method}"])
+    older = _older(cfg.model_dump(mode="json"))
+    if METHODS[method] == "flow":  # the language-model keys held their defaults, unused
+        older["algorithm"].update(clip_low=0.2, clip_high=0.2, kl_coef=0.0)
+    if method == "gspo":  # an older gspo run clipped at 0.2, today's default is 3e-4 / 4e-4: a real change
+        older["algorithm"].update(clip_low=0.2, clip_high=0.2)
+        assert changed_settings(cfg, older) == ["algorithm.clip_high: 0.2 -> 0.0004",
+                                                "algorithm.clip_low: 0.2 -> 0.0003"]
+        return
+    assert changed_settings(cfg, older) == []
+    older["flow"]["clip_range"] = 0.01  # a value that differs is still caught, under its new name
+    expect = ["algorithm.clip_high: 0.01 -> 0.001", "algorithm.clip_low: 0.01 -> 0.001"]
+    assert changed_settings(cfg, older) == (expect if method == "flow_grpo" else [])
+
+
+def test_eval_reads_the_config_of_an_older_run(base_model, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", f"model.path={base_model}", f"run.dir={run}", "train.steps=1", "log.progress=none",
+                 "log.tensorboard=false", "rollout.global_batch_size=8", "rollout.group_size=4",
+                 "rollout.max_new_tokens=4", "data.eval=builtin:arithmetic:test"]) == 0
+    cfg = load_config(RLConfig, str(run / "config.yaml"))
+    (run / "config.yaml").write_text(yaml.safe_dump(_older(cfg.model_dump(mode="json"))))
+    assert main(["eval", str(run), "--num-prompts", "4", "--samples-per-prompt", "1"]) == 0
+    assert "accuracy" in capsys.readouterr().out

@@ -85,7 +85,8 @@ def load_run_config(path: Path, max_new_tokens: int | None):
             raise UserError(f"eval: '{path}' has rollout.max_new_tokens redacted (written by an older regen); "
                             "pass --max-new-tokens N")
         overrides.append(f"rollout.max_new_tokens={max_new_tokens}")
-    return load_config(SFTConfig if "sft" in tree else RLConfig, str(path), overrides)
+    # a run's own config: older runs wrote every key, including those their method did not read
+    return load_config(SFTConfig if "sft" in tree else RLConfig, str(path), overrides, refuse_unread=False)
 
 
 def settings(args, cfg) -> tuple[dict[str, Any], list]:

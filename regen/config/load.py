@@ -54,8 +54,12 @@ def _list_index(node: list, part: str, path: list[str], where: str) -> int:
     return int(part)
 
 
-def load_config(kind: type[BaseModel], path: str | None, overrides: list[str] = ()) -> BaseModel:
-    """Read YAML (optional), apply `key=value` overrides, validate; raise ConfigError with field names."""
+def load_config(kind: type[BaseModel], path: str | None, overrides: list[str] = (),
+                refuse_unread: bool = True) -> BaseModel:
+    """Read YAML (optional), apply `key=value` overrides, validate; raise ConfigError with field names.
+    refuse_unread: a key the chosen method does not read is an error (RLConfig). Off, the file is
+    read back as a run's own config.yaml: one written by an older regen held every key, and moved
+    keys under their old names (config/methods.py migrate)."""
     tree: dict = {}
     source = "defaults"
     if path is not None:
@@ -71,6 +75,10 @@ def load_config(kind: type[BaseModel], path: str | None, overrides: list[str] = 
             raise ConfigError(f"config file '{path}'{at}: not valid YAML ({getattr(e, 'problem', e)})") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"config file '{path}': top level must be a mapping of sections")
+    if not refuse_unread:
+        from regen.config.methods import migrate
+
+        tree = migrate(tree)
     given = set(leaf_keys(tree))
     tree = _merge(_defaults(kind), tree)
     for keys, value in parse_overrides(list(overrides)):
@@ -80,7 +88,7 @@ def load_config(kind: type[BaseModel], path: str | None, overrides: list[str] = 
         cfg = kind.model_validate(tree)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e, kind, source)) from None
-    refuse = getattr(cfg, "unread", None)  # RLConfig: keys the chosen method would ignore are errors
+    refuse = getattr(cfg, "unread", None) if refuse_unread else None  # RLConfig: keys the method would ignore
     problems = refuse(given) if refuse is not None else []
     if problems:
         raise ConfigError(f"invalid config ({source}): " + "; ".join(problems))
@@ -174,9 +182,11 @@ RESUME_FREE = ("train.steps", "run.overwrite", "run.device", "run.threads", "che
 
 def incompatible_changes(saved: dict, current: dict, prefix: str = "") -> list[str]:
     """Dotted keys whose values differ between two config trees, outside RESUME_FREE,
-    as 'key: old -> new'."""
+    as 'key: old -> new'. Keys that no longer exist are not compared."""
     out = []
     for key in sorted(set(saved) | set(current)):
+        if key not in current:
+            continue  # a setting this version no longer has
         dotted = f"{prefix}{key}"
         a, b = saved.get(key), current.get(key)
         if isinstance(a, dict) and isinstance(b, dict):

@@ -85,3 +85,30 @@ class FlowConfig(Section):
 
 MOVED = {"clip_range": "algorithm.clip_low and algorithm.clip_high", "kl_coef": "algorithm.kl_coef",
          "global_std": "algorithm.std_normalize=batch", "awm_kl_coef": "algorithm.kl_coef (awm: the EMA anchor's weight)"}
+
+
+def migrate(tree: dict) -> dict:
+    """A config tree written by an older regen (a run's config.yaml, a checkpoint's config) in
+    today's keys: the flow keys that moved (MOVED) go where they now live when the run's method
+    reads them, and are dropped otherwise (older regen wrote every key, read or not)."""
+    tree = {k: (dict(v) if isinstance(v, dict) else v) for k, v in tree.items()}
+    flow, algo = tree.get("flow"), tree.get("algorithm")
+    if not isinstance(flow, dict) or not isinstance(algo, dict):
+        return tree
+    name = algo.get("name")
+    old = {k: flow.pop(k) for k in list(MOVED) if k in flow}
+    if not old:
+        return tree  # written by this version
+    # a flow method of an older regen read these under flow:, and the algorithm: keys of the same
+    # names (then language-model only) held unused defaults
+    if name == "flow_grpo" and "clip_range" in old:
+        algo["clip_low"] = algo["clip_high"] = old["clip_range"]
+    if name == "flow_grpo" and "kl_coef" in old:
+        algo["kl_coef"] = old["kl_coef"]
+    if name == "awm" and "awm_kl_coef" in old:
+        algo["kl_coef"] = old["awm_kl_coef"]
+    if METHODS.get(name) == "flow":
+        algo["std_normalize"] = "batch" if old.get("global_std") else "group"
+    if isinstance(algo.get("std_normalize"), bool):
+        algo["std_normalize"] = "group" if algo["std_normalize"] else "none"
+    return tree

@@ -253,12 +253,21 @@ def resume_state(cfg: RLConfig, run_dir: Path, alerts: Alerts, force: bool) -> d
     from the ones it was trained with (unless force)."""
     state = ckpt.load_latest(run_dir, warn=lambda m: alerts.fire(-1, "checkpoint_skipped", m))
     saved = state["state"].get("config")
-    diff = incompatible_changes(saved, redact(cfg.model_dump(mode="json"))) if saved else []
+    diff = changed_settings(cfg, saved) if saved else []
     if diff and not force:
         raise UserError("cannot resume: the config differs from the checkpoint's in "
                         + "; ".join(diff) + " (pass --force to resume anyway, or use another run.dir)")
     print(f"resuming from {state['folder']}")
     return state
+
+
+def changed_settings(cfg: RLConfig, saved: dict) -> list[str]:
+    """What differs between a checkpoint's config and this run's, among the keys the method reads
+    (only those change the computation); a checkpoint of an older regen is read in today's keys."""
+    from regen.config.methods import migrate
+
+    now = redact(cfg.model_dump(mode="json"))
+    return incompatible_changes(cfg.read_tree(migrate(saved)), cfg.read_tree(now))
 
 
 def restore_books(state: dict | None, run_dir: Path, opt, data, gen, health: HealthMonitor,
