@@ -110,7 +110,7 @@ def test_a_batch_staler_than_the_bound_is_sampled_again(base_model, tmp_path):
         pool.close()
 
 
-@pytest.mark.parametrize("algo", ["nft", "flow_grpo"])
+@pytest.mark.parametrize("algo", ["flow_grpo"])  # SDE steps: the most noise per sample to get right
 def test_flow_models_on_rollout_actors_sample_what_one_process_does(algo, flow_base, tmp_path):
     args = [f"model.path={flow_base}", f"algorithm.name={algo}", "data.train=builtin:shapes:train", "data.eval=null",
             "rollout.global_batch_size=16", "rollout.group_size=4", "flow.steps=4", "log.progress=none",

@@ -1,6 +1,5 @@
 """Surviving failures: kills, signals, corrupt checkpoints, NaNs, full disks, changed configs."""
 
-import errno
 import json
 import math
 import os
@@ -12,7 +11,6 @@ import torch
 from safetensors.torch import load_file
 
 import regen.modalities.lm
-import regen.runtime.checkpoint as ckpt_mod
 from regen.cli import main
 from regen.config import HealthConfig
 from regen.runtime.alerts import Alerts
@@ -63,27 +61,6 @@ def test_single_nan_is_skipped(base_model, tmp_path, monkeypatch):
     assert all(math.isfinite(v) for w in weights(run).values() for v in w.flatten()[:10].tolist())
     kinds = [a["kind"] for a in read_jsonl(run / "alerts.jsonl")]
     assert kinds == ["nonfinite"]
-
-
-def test_disk_full_during_checkpoint_loses_nothing(base_model, tmp_path, monkeypatch):
-    real, calls = ckpt_mod.save_file, {"n": 0}
-
-    def flaky_save_file(tensors, path, *a, **kw):
-        if path.endswith("optimizer.safetensors"):
-            calls["n"] += 1
-            if calls["n"] == 2:  # the second checkpoint's write hits a full disk
-                raise OSError(errno.ENOSPC, "No space left on device")
-        return real(tensors, path, *a, **kw)
-
-    monkeypatch.setattr(ckpt_mod, "save_file", flaky_save_file)
-    run = tmp_path / "full"
-    assert main(args(base_model, run, "train.steps=6", "checkpoint.every=2", "checkpoint.keep_last=5")) == 0
-    names = sorted(p.name for p in (run / "checkpoints").iterdir())
-    assert names == ["step_00000002", "step_00000006"]  # step 4 failed, no partial folder left
-    for name in names:
-        ckpt_mod.verify(run / "checkpoints" / name)
-    failed = [a for a in read_jsonl(run / "alerts.jsonl") if a["kind"] == "checkpoint_failed"]
-    assert len(failed) == 1 and failed[0]["step"] == 4 and "No space left" in failed[0]["message"]
 
 
 def test_incompatible_config_change_refused_unless_forced(base_model, tmp_path, capsys):

@@ -258,7 +258,9 @@ def cmd_sft(args) -> int:
 
     if launched_by_torchrun():
         raise UserError("regen sft runs in one process; start it with python / regen, not torchrun")
-    _print_summary((sft_flow if is_flow_model(cfg.model) else sft)(cfg, resume=args.resume))
+    summary = (sft_flow if is_flow_model(cfg.model) else sft)(cfg, resume=args.resume)
+    if not summary.get("stopped_early"):
+        _print_summary(summary)
     return 0
 
 
@@ -299,6 +301,14 @@ def cmd_export(args) -> int:
             print(f"warning: {w}", file=sys.stderr)
         if folder is None:
             raise UserError(f"export: no valid checkpoint in '{src}'")
+        healthy = ckpt.latest_healthy(src)  # a run stopped by its health monitor: its last state is broken
+        if healthy is None:
+            raise UserError(f"export: every valid checkpoint of '{src}' is marked unhealthy (non-finite or "
+                            f"collapsed training); export one by its folder if you want it anyway: {folder}")
+        if healthy != folder:
+            print(f"note: {folder.name} is marked unhealthy (see {src / 'alerts.jsonl'}); exporting the newest "
+                  f"healthy checkpoint, {healthy.name} (name a checkpoint folder to export another)", file=sys.stderr)
+            folder = healthy
     ckpt.verify(folder)
     if (folder / "model" / "adapter_config.json").is_file():  # a LoRA checkpoint: merge into its base
         try:

@@ -176,8 +176,10 @@ def _closest_key(kind: type[BaseModel], loc: list[str]) -> str | None:
 
 
 # Settings a resumed run may change freely: they do not alter what the run computes.
-RESUME_FREE = ("train.steps", "run.overwrite", "run.device", "run.threads", "checkpoint.", "log.", "eval.",
-               "health.", "mirror.", "distributed.")
+# run.dir: the run resumed is the one in that folder, whatever path names it (./runs/x, an
+# absolute path, the folder after a move).
+RESUME_FREE = ("train.steps", "run.overwrite", "run.device", "run.threads", "run.dir", "checkpoint.", "log.",
+               "eval.", "health.", "mirror.", "distributed.")
 
 
 def incompatible_changes(saved: dict, current: dict, prefix: str = "") -> list[str]:

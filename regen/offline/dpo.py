@@ -17,6 +17,7 @@ from regen.algorithms import dpo_loss
 from regen.config import RLConfig, dump_config
 from regen.data import Demo, EpochSampler, load_pairs, load_prompts
 from regen.modalities.lm_eval import fmt_eval, run_eval
+from regen.offline import close_offline
 from regen.offline.sft import IGNORE, encode_demos
 from regen.policies.lm import LMPolicy, apply_lora, load_model_and_tokenizer, max_positions, resolve_device
 from regen.runtime import checkpoint as ckpt
@@ -24,7 +25,8 @@ from regen.runtime.loggers import require as require_loggers
 from regen.runtime.metrics import MetricsLogger
 from regen.runtime.optim import lr_at, make_optimizer, set_lr
 from regen.runtime.progress import StepProgress
-from regen.runtime.rundir import mark_closed, mark_running, prepare, setup_torch
+from regen.runtime.rundir import mark_running, prepare, setup_torch
+from regen.runtime.signals import GracefulStop
 
 
 def sequence_logprobs(model, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -96,9 +98,11 @@ def train_dpo(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
     before = evaluate_all(0) if step0 == 0 else {}
     if before:
         log.log(0, before)
-    with StepProgress(t.steps, step0, cfg.log.progress, cfg.log.every, "dpo") as bar:
+    with StepProgress(t.steps, step0, cfg.log.progress, cfg.log.every, "dpo") as bar, \
+            GracefulStop(bar.print) as stop:
         if before:
             bar.print(f"held-out before training: {fmt_eval(before)}")
+        step = step0
         for step in range(step0 + 1, t.steps + 1):
             t0 = time.perf_counter()
             idx = torch.tensor(data.take(t.global_minibatch_size), device=device)
@@ -121,12 +125,11 @@ def train_dpo(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
             bar.update(step, f"loss {metrics['loss']:.3f}  acc {metrics['rewards/accuracy']:.2f}")
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != t.steps:
                 ckpt.save_offline(run_dir, step, policy, opt, data, cfg.checkpoint.keep_last)
-        last = ckpt.save_offline(run_dir, t.steps, policy, opt, data, cfg.checkpoint.keep_last)
-        after = evaluate_all(t.steps)
+            if stop.requested:  # SIGINT / SIGTERM: this step is done; checkpoint and exit
+                break
+        last = ckpt.save_offline(run_dir, step, policy, opt, data, cfg.checkpoint.keep_last)
+        after = evaluate_all(step) if step == t.steps else {}
         if after:
-            log.log(t.steps, after)
-    log.close()
-    mark_closed(run_dir, "finished")
-    policy.export(run_dir / "export")
-    return {"eval_before": before, "eval_after": after, "checkpoint": str(last), "export": str(run_dir / "export")}
+            log.log(step, after)
+    return close_offline(run_dir, log, step, t.steps, last, policy.export, {"eval_before": before, "eval_after": after})
 

@@ -12,6 +12,7 @@ from regen.config import SFTConfig, dump_config
 from regen.data import EpochSampler
 from regen.errors import UserError
 from regen.modalities.flow_media import save_media
+from regen.offline import close_offline
 from regen.policies.flow_load import is_flow_model, load_flow_policy  # noqa: F401  (re-exported)
 from regen.policies.lm import resolve_device
 from regen.runtime import checkpoint as ckpt
@@ -19,7 +20,8 @@ from regen.runtime.loggers import require as require_loggers
 from regen.runtime.metrics import MetricsLogger
 from regen.runtime.optim import lr_at, make_optimizer, sft_step
 from regen.runtime.progress import StepProgress
-from regen.runtime.rundir import mark_closed, mark_running, prepare, setup_torch
+from regen.runtime.rundir import mark_running, prepare, setup_torch
+from regen.runtime.signals import GracefulStop
 
 
 def _task_metas(spec: str, video: bool, where: str) -> list[dict]:
@@ -69,8 +71,10 @@ def sft_flow(cfg: SFTConfig, resume: bool = False) -> dict:
         return {}
 
     policy.train(True)
-    with StepProgress(s.steps, start_step, cfg.log.progress, cfg.log.every, "sft") as bar:
+    with StepProgress(s.steps, start_step, cfg.log.progress, cfg.log.every, "sft") as bar, \
+            GracefulStop(bar.print) as stop:
         t_start = time.perf_counter()
+        step = start_step
         for step in range(start_step + 1, s.steps + 1):
             t0 = time.perf_counter()
             metas = [train[i] for i in data.take(s.global_batch_size)]
@@ -88,10 +92,8 @@ def sft_flow(cfg: SFTConfig, resume: bool = False) -> dict:
             bar.update(step, f"loss {metrics['loss']:.4f}  {rate:.0f} samples/s")
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != s.steps:
                 ckpt.save_offline(run_dir, step, policy, opt, data, cfg.checkpoint.keep_last)
-        last = ckpt.save_offline(run_dir, s.steps, policy, opt, data, cfg.checkpoint.keep_last)
-        after = evaluate(s.steps) if held else {}
-    log.close()
-    mark_closed(run_dir, "finished")
-    export_dir = run_dir / "export"
-    policy.export(export_dir)
-    return {"eval_after": after, "checkpoint": str(last), "export": str(export_dir)}
+            if stop.requested:  # SIGINT / SIGTERM: this step is done; checkpoint and exit
+                break
+        last = ckpt.save_offline(run_dir, step, policy, opt, data, cfg.checkpoint.keep_last)
+        after = evaluate(step) if held and step == s.steps else {}
+    return close_offline(run_dir, log, step, s.steps, last, policy.export, {"eval_after": after})

@@ -13,13 +13,15 @@ from regen.config import SFTConfig, dump_config
 from regen.data import Demo, EpochSampler, load_demos, load_prompts
 from regen.errors import DataError
 from regen.modalities.lm_eval import run_eval
+from regen.offline import close_offline
 from regen.policies.lm import LMPolicy, load_model_and_tokenizer, max_positions, resolve_device
 from regen.runtime import checkpoint as ckpt
 from regen.runtime.loggers import require as require_loggers
 from regen.runtime.metrics import MetricsLogger
 from regen.runtime.optim import lr_at, make_optimizer, sft_step
 from regen.runtime.progress import StepProgress
-from regen.runtime.rundir import mark_closed, mark_running, prepare, setup_torch
+from regen.runtime.rundir import mark_running, prepare, setup_torch
+from regen.runtime.signals import GracefulStop
 
 IGNORE = -100
 
@@ -69,8 +71,10 @@ def sft(cfg: SFTConfig, resume: bool = False) -> dict:
         return ckpt.save_offline(run_dir, step, policy, opt, data, cfg.checkpoint.keep_last)
 
     policy.model.train()
-    with StepProgress(s.steps, start_step, cfg.log.progress, cfg.log.every, "sft") as bar:
+    with StepProgress(s.steps, start_step, cfg.log.progress, cfg.log.every, "sft") as bar, \
+            GracefulStop(bar.print) as stop:
         t_start = time.perf_counter()
+        step = start_step
         for step in range(start_step + 1, s.steps + 1):
             t0 = time.perf_counter()
             idx = torch.tensor(data.take(s.global_batch_size), device=device)
@@ -95,14 +99,12 @@ def sft(cfg: SFTConfig, resume: bool = False) -> dict:
             bar.update(step, f"loss {metrics['loss']:.3f}  {rate:.0f} samples/s")
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != s.steps:
                 save(step)
-        last = save(s.steps)
+            if stop.requested:  # SIGINT / SIGTERM: this step is done; checkpoint and exit
+                break
+        last = save(step)
         policy.model.eval()
-        after = run_eval(policy, eval_items, cfg, None, run_dir, s.steps) if eval_items else {}
+        after = run_eval(policy, eval_items, cfg, None, run_dir, step) if eval_items and step == s.steps else {}
         if after:
-            log.log(s.steps, after)
-    log.close()
-    mark_closed(run_dir, "finished")
-    export_dir = run_dir / "export"
-    policy.save_pretrained(export_dir)
-    return {"eval_after": after, "checkpoint": str(last), "export": str(export_dir)}
+            log.log(step, after)
+    return close_offline(run_dir, log, step, s.steps, last, policy.save_pretrained, {"eval_after": after})
 

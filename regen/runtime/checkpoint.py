@@ -169,7 +169,11 @@ def _retain(root: Path, keep_last: int) -> None:
         keep.add(healthy[-1])
     for folder in done:
         if folder not in keep:
-            shutil.rmtree(folder, ignore_errors=True)
+            # renamed first: a kill during the deletion leaves a `.del-` folder, removed at the next
+            # start, never a half-deleted step_ folder that looks like a checkpoint
+            gone = folder.with_name(f".del-{folder.name}")
+            os.replace(folder, gone)
+            shutil.rmtree(gone, ignore_errors=True)
 
 
 def latest_healthy(run_dir: Path) -> Path | None:
@@ -209,15 +213,21 @@ def verify(folder: Path) -> None:
 
 
 def load_checkpoint(folder: Path) -> dict:
-    """Verified contents: {'folder', 'model_dir', 'optimizer' (state_dict or None), 'rng', 'state'}."""
+    """Verified contents: {'folder', 'model_dir', 'optimizer' (state_dict or None), 'rng', 'state'}.
+    A file that matches the manifest but cannot be read (written corrupt, manifest recomputed)
+    is a UserError naming it."""
     verify(folder)
-    return {
-        "folder": folder,
-        "model_dir": folder / "model",
-        "optimizer": load_optimizer(folder, "optimizer"),
-        "rng": load_file(str(folder / "rng.safetensors")),
-        "state": json.loads((folder / "state.json").read_text()),
-    }
+    try:
+        return {
+            "folder": folder,
+            "model_dir": folder / "model",
+            "optimizer": load_optimizer(folder, "optimizer"),
+            "rng": load_file(str(folder / "rng.safetensors")),
+            "state": json.loads((folder / "state.json").read_text()),
+        }
+    except (SafetensorError, OSError, ValueError, KeyError) as e:
+        raise UserError(f"checkpoint '{folder}': unreadable although it matches its manifest "
+                        f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
 
 
 def latest_valid(run_dir: Path) -> tuple[Path | None, list[str]]:
@@ -233,13 +243,14 @@ def latest_valid(run_dir: Path) -> tuple[Path | None, list[str]]:
 
 
 def load_latest(run_dir: Path, warn=print) -> dict:
-    """The newest valid checkpoint of a run, for --resume; corrupt newer ones are skipped with a warning."""
-    folder, warnings = latest_valid(run_dir)
-    for w in warnings:
-        warn(f"warning: {w}")
-    if folder is None:
-        raise UserError(f"--resume: no valid checkpoint in '{run_dir / 'checkpoints'}'")
-    return load_checkpoint(folder)
+    """The newest valid checkpoint of a run, for --resume; corrupt newer ones (a checksum that
+    does not match, or a file that cannot be read) are skipped with a warning."""
+    for folder in reversed(list_checkpoints(run_dir)):
+        try:
+            return load_checkpoint(folder)
+        except UserError as e:
+            warn(f"warning: skipping {e}")
+    raise UserError(f"--resume: no valid checkpoint in '{run_dir / 'checkpoints'}'")
 
 
 def resumed_model(model_cfg, state: dict | None):
@@ -264,7 +275,12 @@ def restore(state: dict, run_dir: Path, opt, data, gen: torch.Generator | None =
         gen.set_state(state["rng"]["sampler"])
     step = int(state["state"]["step"])
     if dist.current().main:  # torchrun: rank 0 owns the run directory
-        truncate_after(run_dir / "metrics.jsonl", step)
+        # the steps after the checkpoint are redone: their metrics rows and alerts go, and a line
+        # torn by a full disk or a kill is dropped with a note instead of stopping the resume
+        for name in ("metrics.jsonl", "alerts.jsonl"):
+            torn = truncate_after(run_dir / name, step, keep_before_start=name == "alerts.jsonl")
+            if torn:
+                print(f"note: {name}: dropped {torn} unreadable line(s) (a write cut off by a full disk or a kill)")
     return step
 
 

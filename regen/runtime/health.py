@@ -69,8 +69,13 @@ class HealthMonitor:
         self.problem = False
 
     def state(self) -> dict:
-        return {"rollbacks": self.rollbacks, "lr_scale": self.lr_scale, "reward_stats": [self._n, self._mean, self._m2]}
+        """What a checkpoint keeps: a resumed run continues a non-finite streak where it was, so a
+        kill in the middle of one does not cancel the rollback it leads to."""
+        return {"rollbacks": self.rollbacks, "lr_scale": self.lr_scale, "reward_stats": [self._n, self._mean, self._m2],
+                "nonfinite_streak": self.nonfinite_streak}
 
     def load_state(self, state: dict) -> None:
         self.rollbacks, self.lr_scale = int(state["rollbacks"]), float(state["lr_scale"])
         self._n, self._mean, self._m2 = state["reward_stats"]
+        self.nonfinite_streak = int(state.get("nonfinite_streak", 0))  # older checkpoints: none recorded
+        self.problem = self.nonfinite_streak > 0

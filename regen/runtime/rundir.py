@@ -14,31 +14,126 @@ from regen.errors import UserError
 RUN_FILES = ("metrics.jsonl", "alerts.jsonl", "tensorboard", "checkpoints", "export", "samples",
              "run.json", "report.html")
 RUN_INFO = "run.json"
+LOCK = "run.lock"
 
 
 def prepare(run_dir: str, overwrite: bool, resume: bool) -> tuple[Path, bool]:
-    """Create/check the run directory; return it and whether to resume. A directory that
-    holds checkpoints is resumed automatically unless run.overwrite is set."""
+    """Create/check the run directory and lock it for this process (see `lock`); return it and
+    whether to resume. A directory that holds checkpoints is resumed automatically unless
+    run.overwrite is set; one whose run stopped before its first checkpoint (killed, or a signal
+    during the first evaluation) is started again: nothing of it could be resumed."""
     path = Path(run_dir)
-    if not overwrite and (path / "checkpoints").is_dir() and any((path / "checkpoints").glob("step_*")):
-        resume = True
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"run.dir: cannot create '{run_dir}': {e.strerror}") from None
     if not os.access(path, os.W_OK):
         raise UserError(f"run.dir: '{run_dir}' is not writable")
+    lock(path)
+    clear_leftovers(path)
+    if not overwrite and (path / "checkpoints").is_dir() and any((path / "checkpoints").glob("step_*")):
+        resume = True
     used = (path / "metrics.jsonl").exists() or (path / "checkpoints").exists()
     if used and not resume:
-        if not overwrite:
+        if not overwrite and (path / "export").exists():  # a finished run whose checkpoints are gone
             raise UserError(
-                f"run.dir: '{run_dir}' already holds a run without checkpoints; pass run.overwrite=true "
-                "to replace it, or choose another run.dir"
+                f"run.dir: '{run_dir}' already holds a finished run (export/, no checkpoints); pass "
+                "run.overwrite=true to replace it, or choose another run.dir"
             )
+        if not overwrite:
+            print(f"run.dir: '{run_dir}' holds a run that stopped before its first checkpoint: starting it again")
         for name in RUN_FILES:
             p = path / name
             shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
     return path, resume
+
+
+def write_folder(final: Path, write) -> Path:
+    """write(folder) into a temporary folder beside `final`, then renamed into place: `final`
+    exists only complete (an export killed half-way is not mistaken for one)."""
+    tmp = final.with_name(f".tmp-{final.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    write(tmp)
+    if final.exists():
+        old = final.with_name(f".del-{final.name}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    return final
+
+
+def clear_leftovers(path: Path) -> None:
+    """Folders a killed process left half-written or half-deleted (`.tmp-*`, `.del-*`)."""
+    for root in (path, path / "checkpoints"):
+        if root.is_dir():
+            for p in root.glob(".del-*"):
+                shutil.rmtree(p, ignore_errors=True)
+            for p in root.glob(".tmp-*"):
+                if p.is_dir():
+                    shutil.rmtree(p, ignore_errors=True)
+            for p in root.glob(".old-*"):  # a checkpoint moved aside while the same step was saved again
+                if (root / p.name.removeprefix(".old-")).exists():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:  # killed before the new copy was in place: the old one is the checkpoint
+                    os.replace(p, root / p.name.removeprefix(".old-"))
+
+
+def lock(path: Path) -> None:
+    """Take run.lock for this process: a second trainer on the same run directory would
+    interleave its metrics and checkpoints with the first's. The lock names its holder (pid,
+    host); one left by a process that is gone (killed) is taken over. Released by unlock (and
+    taken over by a later run of this same process)."""
+    me = {"pid": os.getpid(), "hostname": socket.gethostname(), "started": time.time()}
+    file = path / LOCK
+    for _ in range(3):
+        try:
+            fd = os.open(file, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            holder = _read_json(file)
+            if holder is None or _stale(holder):
+                file.unlink(missing_ok=True)
+                continue
+            raise UserError(f"run.dir: '{path}' is in use by process {holder.get('pid')} on "
+                            f"{holder.get('hostname')} (since {time.ctime(holder.get('started', 0))}); wait for "
+                            f"it to finish, or delete {file} if that process is gone") from None
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(me))
+        return
+    raise UserError(f"run.dir: could not take {file}")
+
+
+def unlock(path: Path) -> None:
+    holder = _read_json(path / LOCK)
+    if holder is not None and holder.get("pid") == os.getpid() and holder.get("hostname") == socket.gethostname():
+        (path / LOCK).unlink(missing_ok=True)
+
+
+def _stale(holder: dict) -> bool:
+    """The holder is this process (an earlier run in it that failed) or a process of this host
+    that no longer exists. A holder on another host cannot be checked from here."""
+    if holder.get("hostname") != socket.gethostname():
+        return False
+    pid = holder.get("pid")
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except (ProcessLookupError, ValueError, TypeError):
+        return True
+    except PermissionError:
+        return False  # alive, another user's
+    return False
+
+
+def _read_json(file: Path) -> dict | None:
+    try:
+        out = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return None
+    return out if isinstance(out, dict) else None
 
 
 def mark_running(run_dir: Path) -> None:
@@ -49,9 +144,10 @@ def mark_running(run_dir: Path) -> None:
 
 
 def mark_closed(run_dir: Path, status: str) -> None:
-    """Record how the run ended ('finished' or 'stopped') in run.json."""
+    """Record how the run ended ('finished' or 'stopped') in run.json, and release run.lock."""
     info = read_run_info(run_dir) or {"pid": os.getpid(), "hostname": socket.gethostname()}
     _write_info(run_dir, {**info, "status": status, "ended": time.time()})
+    unlock(run_dir)
 
 
 def end_status(run_dir: Path, steps: int) -> str:

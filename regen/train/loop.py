@@ -44,9 +44,10 @@ def train(cfg, resume: bool = False, force: bool = False) -> dict:
     run = Run.start(cfg, resume, force)  # inputs checked, run dir ready, models built, state restored
     m, gen = run.m, run.gen
     summary: dict = {"eval_before": {}, "eval_after": {}, "checkpoint": None, "stopped_early": False}
-    if run.start_step >= cfg.train.steps:
-        print(f"run already at step {run.start_step} of {cfg.train.steps}: nothing to do "
-              "(raise train.steps to continue it)")
+    if run.start_step >= cfg.train.steps:  # finished, or killed after its final checkpoint
+        done = run.complete()
+        print(f"run already at step {run.start_step} of {cfg.train.steps}: "
+              + (f"completed its {' and '.join(done)}" if done else "nothing to do (raise train.steps to continue it)"))
         run.close()
         return {**summary, "export": str(run.run_dir / "export")}
     scorer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="regen-score")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from regen.config import RLConfig, dump_config, incompatible_changes, redact
 from regen.data import EpochSampler, PromptItem, load_prompts
@@ -34,7 +35,7 @@ from regen.runtime.metrics import MetricsLogger
 from regen.runtime.offload import PhaseHooks, loop_hooks
 from regen.runtime.optim import lr_at, make_optimizer, set_lr
 from regen.runtime.precision import Precision
-from regen.runtime.rundir import end_status, mark_closed, mark_running, prepare, setup_torch, versions
+from regen.runtime.rundir import end_status, mark_closed, mark_running, prepare, setup_torch, versions, write_folder
 
 
 @dataclass
@@ -78,7 +79,14 @@ class Run:
         resume = d.broadcast_object(resume)
         state = resume_state(cfg, run_dir, alerts, force) if resume else None
 
-        m = modality_class(cfg)(cfg, device, d, state, alerts)
+        try:
+            m = modality_class(cfg)(cfg, device, d, state, alerts)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            if state is None:
+                raise
+            raise UserError(f"checkpoint '{state['folder']}': its model cannot be loaded although its files match "
+                            f"the manifest ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); move "
+                            "that folder away to resume from the checkpoint before it") from None
         opt = make_optimizer(m.trained, cfg.optim)
         data = EpochSampler(len(prompts), cfg.run.seed)
         gen = torch.Generator(device=m.gen_device).manual_seed(cfg.run.seed)
@@ -187,15 +195,36 @@ class Run:
                          f"learning rate x{self.health.lr_scale:g}", lr_scale=self.health.lr_scale)
 
     def export(self) -> Path:
-        """The final model in export/ (rank 0 writes; FSDP2 shards gathered first)."""
+        """The final model in export/ (rank 0 writes, into a temporary folder renamed when
+        complete; FSDP2 shards gathered first)."""
         folder = self.run_dir / "export"
         gathered = self.m.gather()
         if self.dist.main:
-            self.m.export(folder, gathered)
+            write_folder(folder, lambda tmp: self.m.export(tmp, gathered))
             if self.mirror is not None:
                 self.mirror.submit_export(folder)
         self.dist.barrier()
         return folder
+
+    def complete(self) -> list[str]:
+        """A run resumed at its last step: what its process did not finish after the final
+        checkpoint (killed before the final evaluation or the export), done from that checkpoint.
+        Returns what was done."""
+        step, done = self.start_step, []
+        if self.eval_items and not self.dist.broadcast_object(self._logged_eval(step) if self.dist.main else None):
+            self.log.log(step, self.evaluate(step))
+            done.append("final evaluation")
+        if not self.dist.broadcast_object((self.run_dir / "export").is_dir() if self.dist.main else None):
+            self.export()
+            done.append("export")
+        return done
+
+    def _logged_eval(self, step: int) -> bool:
+        from regen.runtime.metrics import read_rows
+
+        path = self.run_dir / "metrics.jsonl"
+        rows = read_rows(path)[0] if path.exists() else []
+        return any(r["step"] == step and any(k.startswith("eval/") for k in r) for r in rows)
 
     def close(self) -> None:
         self.log.close()
