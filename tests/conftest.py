@@ -120,3 +120,23 @@ def same_run(a: Path, b: Path) -> None:
 @pytest.fixture(params=["lm", "flow"])
 def job(request) -> Job:
     return Job(request.param, request.getfixturevalue("base_model" if request.param == "lm" else "flow_base"))
+
+
+def nan_at_steps(monkeypatch, steps) -> None:
+    """In this process, the loss is NaN at these RL steps (by step, so a resumed run sees the same
+    steps fail): tests/fault_entry.py's REGEN_FAULT_NAN_STEPS, for in-process runs."""
+    import regen.train.loop as loop
+
+    real_update = loop.update
+
+    def update(m, *args, **kw):
+        if args[6] not in steps:  # update(m, opt, batch, adv, fixed, cfg, gen, step, ...)
+            return real_update(m, *args, **kw)
+        real_loss = m.micro_loss
+        m.micro_loss = lambda mini, pos: (lambda out: (out[0] * float("nan"), out[1]))(real_loss(mini, pos))
+        try:
+            return real_update(m, *args, **kw)
+        finally:
+            del m.micro_loss
+
+    monkeypatch.setattr(loop, "update", update)

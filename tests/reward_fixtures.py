@@ -23,3 +23,9 @@ def bright_or_not(samples, threshold=0.08):
     """1 for an image brighter than `threshold` on average (about the test bases' mean), else 0:
     a binary reward with ties."""
     return [float(s.media.mean() / 255 > threshold) for s in samples]
+
+
+def unruly(samples):
+    """inf, -inf, a string, None, then a proper score, cycling: what a buggy scorer returns."""
+    bad = [float("inf"), float("-inf"), "high", None, 0.5]
+    return [bad[i % len(bad)] for i in range(len(samples))]

@@ -52,11 +52,11 @@ def test_user_errors_are_one_clear_line(tmp_path, args, message):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def test_malformed_prompt_line(tmp_path, base_model):
+def test_malformed_prompt_line(tmp_path, base_model, capsys):
     bad = tmp_path / "p.jsonl"
     bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": 4\n')
-    res = run("train", f"model.path={base_model}", f"data.train={bad}", f"run.dir={tmp_path / 'run'}")
-    assert res.returncode == 2 and "p.jsonl line 2: not valid JSON" in res.stderr and "Traceback" not in res.stderr
+    assert main(["train", f"model.path={base_model}", f"data.train={bad}", f"run.dir={tmp_path / 'run'}"]) == 2
+    assert "p.jsonl line 2: not valid JSON" in capsys.readouterr().err
 
 
 def test_eval_and_export(base_model, tmp_path, capsys):

@@ -94,11 +94,7 @@ CASES = [
     ("ppo", (), "algorithm.gamma=0.5"), ("ppo", (), "algorithm.lam=0.5"), ("ppo", (), "algorithm.whiten_advantages=false"),
     ("ppo", (), "critic.lr=0.01"), ("ppo", ("train.ppo_epochs=2", "critic.lr=0.01"), "critic.value_clip=0.0001"),
     ("ppo", (), "critic.warmup_steps=1"), ("ppo", (), "critic.path=CRITIC"),
-    ("ppo", ("train.ppo_epochs=2",), "algorithm.clip_low=0.001"),
-    ("ppo", ("train.ppo_epochs=2",), "algorithm.clip_high=0.001"),
-    ("ppo", (), "algorithm.entropy_coef=0.1"), ("ppo", (), "algorithm.kl_coef=0.5"),
-    ("ppo", ("algorithm.kl_coef=0.5",), "algorithm.kl_estimator=k2"), ("ppo", (), "algorithm.loss_agg=seq-mean-token-sum"),
-    ("ppo", DRIFT, "algorithm.dual_clip=1.001"),
+    ("ppo", (), "algorithm.loss_agg=seq-mean-token-sum"),  # the policy's loss (grpo's, above) and the critic's
     ("gspo", ("train.ppo_epochs=2", "optim.lr=0.01"), "algorithm.clip_low=0.01"),
     ("gspo", ("train.ppo_epochs=2", "optim.lr=0.01"), "algorithm.clip_high=0.01"),
     ("gspo", (), "algorithm.entropy_coef=0.1"), ("gspo", (), "algorithm.kl_coef=0.5"),
@@ -137,6 +133,8 @@ def _group(method: str, key: str):
     if any(key == r.key or key.startswith(r.key + ".") for r in [*shared, *R.ONLINE]) and \
             key not in LOSS_KEYS:
         return modality
+    if method == "ppo" and key in LOSS_KEYS and key != "algorithm.loss_agg":
+        return "grpo"  # PPO's policy loss is grpo_loss on per-token advantages (POLICY_LOSSES)
     return method
 
 

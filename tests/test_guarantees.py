@@ -17,7 +17,7 @@ from regen.cli import main
 from tests.conftest import Job, NaNAt, read_jsonl, same_run
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = {"lm": 10, "flow": 6}  # of the kill / signal runs
+STEPS = {"lm": 8, "flow": 4}  # of the kill / signal runs
 
 
 def free_port() -> int:
@@ -133,12 +133,12 @@ def _wait_rows(path: Path, n: int, proc, timeout=120):
         time.sleep(0.02)
 
 
-def test_sigkill_at_several_steps_then_resume_is_bitwise_identical(signalled, tmp_path):
+def test_sigkill_mid_run_then_resume_is_bitwise_identical(signalled, tmp_path):
     job, reference = signalled
     run = tmp_path / "killed"
     cmd = [sys.executable, "-m", "regen", *_kill_args(job, run)]
     steps = STEPS[job.kind]
-    for kill_at in (2, steps // 2 + 1, steps - 1):  # each time the same command resumes where the last checkpoint left it
+    for kill_at in (steps // 2,):  # the same command then resumes where the last checkpoint left it
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
         _wait_rows(run / "metrics.jsonl", kill_at, proc)
         proc.send_signal(signal.SIGKILL)

@@ -19,7 +19,7 @@ import pytest
 from regen.cli import main
 from regen.runtime import checkpoint as ckpt
 from regen.runtime.metrics import MetricsLogger
-from tests.conftest import LM_FAST, read_jsonl, same_run
+from tests.conftest import LM_FAST, nan_at_steps, read_jsonl, same_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -111,30 +111,29 @@ def test_a_torn_last_metrics_line_is_dropped_on_resume(base_model, tmp_path, cap
 # ------------------------------------------------------------------ SIGKILL at named moments
 
 
-def test_a_kill_after_the_final_checkpoint_is_completed_by_the_rerun(base_model, tmp_path):
+def test_a_kill_after_the_final_checkpoint_is_completed_by_the_rerun(base_model, tmp_path, capsys):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     extra = ("train.steps=3", "data.eval=builtin:arithmetic:test", "eval.num_prompts=8")
     assert main(lm(base_model, straight, *extra)) == 0
     done = faulty(lm(base_model, killed, *extra), REGEN_FAULT_KILL="after_save:3")  # the final checkpoint
     assert done.returncode == -signal.SIGKILL
     assert (killed / "checkpoints" / "step_00000003").is_dir() and not (killed / "export").exists()
-    rerun = subprocess.run([sys.executable, "-m", "regen", *lm(base_model, killed, *extra)], cwd=ROOT,
-                           capture_output=True, text=True)
-    assert rerun.returncode == 0, rerun.stderr
-    assert "completed its final evaluation and export" in rerun.stdout
+    assert main(lm(base_model, killed, *extra)) == 0
+    assert "completed its final evaluation and export" in capsys.readouterr().out
     same_run(straight, killed)  # the same weights in export/, and the final eval row now logged
     assert json.loads((killed / "run.json").read_text())["status"] == "finished"
 
 
-def test_a_kill_in_a_nonfinite_streak_still_rolls_back_after_resume(base_model, tmp_path):
-    nan = {"REGEN_FAULT_NAN_STEPS": "5,6,7"}
-    extra = ("train.steps=8", "checkpoint.every=1", "checkpoint.keep_last=3", "health.rollback_after_nonfinite=3")
+def test_a_kill_in_a_nonfinite_streak_still_rolls_back_after_resume(base_model, tmp_path, monkeypatch):
+    nan = {"REGEN_FAULT_NAN_STEPS": "3,4,5"}
+    extra = ("train.steps=6", "checkpoint.every=1", "checkpoint.keep_last=3", "health.rollback_after_nonfinite=3")
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    assert faulty(lm(base_model, straight, *extra), **nan).returncode == 0
-    assert faulty(lm(base_model, killed, *extra), **nan, REGEN_FAULT_KILL="after_save:6").returncode == -signal.SIGKILL
-    assert faulty(lm(base_model, killed, *extra), **nan).returncode == 0  # resumes mid-streak at step 6
+    assert faulty(lm(base_model, killed, *extra), **nan, REGEN_FAULT_KILL="after_save:4").returncode == -signal.SIGKILL
+    nan_at_steps(monkeypatch, {3, 4, 5})  # the same NaNs in this process
+    assert main(lm(base_model, straight, *extra)) == 0
+    assert main(lm(base_model, killed, *extra)) == 0  # resumes mid-streak at step 4
     rollback = [a for a in read_jsonl(killed / "alerts.jsonl") if a["kind"] == "rollback"]
-    assert [(a["step"], "step_00000004" in a["message"]) for a in rollback] == [(7, True)]
+    assert [(a["step"], "step_00000002" in a["message"]) for a in rollback] == [(5, True)]
     same_run(straight, killed)
 
 
@@ -161,13 +160,14 @@ def test_a_kill_during_retention_leaves_nothing_behind(base_model, tmp_path):
     assert {p.name for p in (run / "checkpoints").iterdir()} == {"step_00000004"}
 
 
-def test_alerts_of_redone_steps_are_not_repeated(base_model, tmp_path):
+def test_alerts_of_redone_steps_are_not_repeated(base_model, tmp_path, monkeypatch):
     run = tmp_path / "run"
     args = lm(base_model, run, "train.steps=4", "checkpoint.every=2")
     nan = {"REGEN_FAULT_NAN_STEPS": "3"}
     assert faulty(args, **nan, REGEN_FAULT_KILL="after_log:4").returncode == -signal.SIGKILL  # before step 4's checkpoint
     assert [(a["step"], a["kind"]) for a in read_jsonl(run / "alerts.jsonl")] == [(3, "nonfinite")]
-    assert faulty(args, **nan).returncode == 0  # resumes at step 2: step 3 is redone, its alert too
+    nan_at_steps(monkeypatch, {3})
+    assert main(args) == 0  # resumes at step 2: step 3 is redone, its alert too
     assert [(a["step"], a["kind"]) for a in read_jsonl(run / "alerts.jsonl")] == [(3, "nonfinite")]
 
 
@@ -241,12 +241,13 @@ def test_sft_stops_gracefully_on_sigterm_and_resumes(tmp_path):
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")][-1] == stopped + 5
 
 
-def test_export_of_a_run_stopped_unhealthy_takes_its_newest_healthy_checkpoint(base_model, tmp_path, capsys):
+def test_export_of_a_run_stopped_unhealthy_takes_its_newest_healthy_checkpoint(base_model, tmp_path, capsys,
+                                                                               monkeypatch):
     run = tmp_path / "run"
     args = lm(base_model, run, "train.steps=8", "checkpoint.every=2", "health.rollback_after_nonfinite=2",
               "health.max_rollbacks=0")
-    done = faulty(args, REGEN_FAULT_NAN_STEPS="3,4,5,6,7,8")
-    assert done.returncode == 2 and "still unhealthy" in done.stderr
+    nan_at_steps(monkeypatch, {3, 4, 5, 6, 7, 8})
+    assert main(args) == 2 and "still unhealthy" in capsys.readouterr().err
     latest = ckpt.list_checkpoints(run)[-1]
     assert latest.name == "step_00000004" and not json.loads((latest / "state.json").read_text())["healthy"]
     assert main(["export", str(run), "--out", str(tmp_path / "out")]) == 0

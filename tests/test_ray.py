@@ -63,20 +63,28 @@ def test_disaggregated_run_learns_and_survives_a_killed_rollout_actor(base_model
 
 def test_one_step_off_policy_never_exceeds_the_bound(base_model, tmp_path):
     run = tmp_path / "async"
-    assert main(["train", f"model.path={base_model}", f"run.dir={run}", *LEARN, *RAY, "train.steps=6",
-                 "distributed.max_staleness=1", "checkpoint.every=3"]) == 0
+    assert main(["train", f"model.path={base_model}", f"run.dir={run}", *LEARN, *RAY, "train.steps=5",
+                 "distributed.max_staleness=1", "checkpoint.every=2"]) == 0
     lags = [r["rollout/staleness"] for r in read_jsonl(run / "metrics.jsonl")]
     # step 1 and the step after a checkpoint (the batch sampled ahead is dropped at a checkpoint so
     # the saved state resumes exactly) use current weights; the others were sampled during the update
-    assert lags == [0, 1, 1, 0, 1, 1]
-    # a run stopped at the step-3 checkpoint and resumed continues exactly: the batch it had sampled
+    assert lags == [0, 1, 0, 1, 0]
+    # a run stopped at the step-2 checkpoint and resumed continues exactly: the batch it had sampled
     # ahead was dropped and its prompts and randomness rewound when the checkpoint was written
     again = tmp_path / "again"
     common = [f"model.path={base_model}", f"run.dir={again}", *LEARN, *RAY, "distributed.max_staleness=1"]
-    assert main(["train", *common, "train.steps=3"]) == 0
-    assert main(["train", *common, "train.steps=6", "checkpoint.every=3"]) == 0
+    assert main(["train", *common, "train.steps=2"]) == 0
+    assert main(["train", *common, "train.steps=5", "checkpoint.every=2"]) == 0
     strip = lambda rows: [r["reward/mean"] for r in rows]  # noqa: E731
     assert strip(read_jsonl(again / "metrics.jsonl")) == strip(read_jsonl(run / "metrics.jsonl"))
+
+
+def test_a_ray_start_that_cannot_place_its_workers_leaves_no_run_behind(base_model, tmp_path, capsys):
+    run = tmp_path / "run"
+    args = ["train", f"model.path={base_model}", f"run.dir={run}", *LEARN, *RAY]
+    assert main([*args, "distributed.rollout_resources={num_gpus: 4}"]) == 2
+    assert "cannot place the rollout and reward workers" in capsys.readouterr().err
+    assert not run.exists() or not any(run.iterdir())  # so the corrected command just runs
 
 
 def test_a_batch_staler_than_the_bound_is_sampled_again(base_model, tmp_path):
@@ -106,6 +114,23 @@ def test_a_batch_staler_than_the_bound_is_sampled_again(base_model, tmp_path):
         behaviour = m.behaviour_terms(batch, {"old_logp": None, "ref_logp": None})["old_logp"]
         mask = batch.response_mask.bool()
         torch.testing.assert_close(behaviour[mask], m.policy.token_logprobs(batch, 1.0)[0][mask], atol=1e-5, rtol=1e-5)
+        # a replaced actor samples a late share with the version it was requested with, not the newest
+        dead = pool.workers.actors[0]
+        ray.kill(dead, no_restart=True)
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(dead.ready.remote())
+        pool.discard_prefetch()
+        _, items, plan, refs, _, version = pool._submit(4, gen)  # a batch requested ahead, with version 3...
+        assert version == 3
+        with torch.no_grad():
+            for p in m.policy.model.parameters():
+                p.add_(0.01)
+        pool.sync(4)  # ...while the trainer moves on to version 4
+        late = pool._collect(items, plan, refs, version)
+        assert pool.workers.restarts == 1
+        assert late.version.tolist() == [3] * 32  # the replacement sampled with version 3, as the lost actor would
+        again = pool._collect(items, plan, pool._requests(items, plan), pool.version)
+        assert again.version.tolist() == [4] * 32  # and then holds the newest weights again
     finally:
         pool.close()
 
@@ -113,8 +138,8 @@ def test_a_batch_staler_than_the_bound_is_sampled_again(base_model, tmp_path):
 @pytest.mark.parametrize("algo", ["flow_grpo"])  # SDE steps: the most noise per sample to get right
 def test_flow_models_on_rollout_actors_sample_what_one_process_does(algo, flow_base, tmp_path):
     args = [f"model.path={flow_base}", f"algorithm.name={algo}", "data.train=builtin:shapes:train", "data.eval=null",
-            "rollout.global_batch_size=16", "rollout.group_size=4", "flow.steps=4", "log.progress=none",
-            "log.tensorboard=false", "optim.lr=1e-3", "run.threads=1", "train.steps=4", BRIGHT]
+            "rollout.global_batch_size=8", "rollout.group_size=4", "flow.steps=3", "log.progress=none",
+            "log.tensorboard=false", "optim.lr=1e-3", "run.threads=1", "train.steps=3", BRIGHT]
     one, spread = tmp_path / "one", tmp_path / "ray"
     assert main(["train", *args, f"run.dir={one}"]) == 0
     killed: list = []
@@ -135,27 +160,27 @@ def test_flow_models_sampled_one_step_ahead_train_on_the_behaviour_policy(flow_b
             "data.eval=null", "rollout.global_batch_size=8", "rollout.group_size=4", "flow.steps=3",
             "train.ppo_epochs=2", "log.progress=none", "log.tensorboard=false", "optim.lr=1e-2", "run.threads=1",
             BRIGHT, *RAY, "distributed.max_staleness=1"]
-    run, again = tmp_path / "ahead", tmp_path / "again"
+    run = tmp_path / "ahead"
     assert main(["train", *args, f"run.dir={run}", "train.steps=4", "checkpoint.every=2"]) == 0
     rows = read_jsonl(run / "metrics.jsonl")
     # sampled during the previous update (one version behind), except at the start and after a
-    # checkpoint (the batch sampled ahead is dropped, so the checkpoint resumes exactly)
+    # checkpoint (the batch sampled ahead is dropped, so the checkpoint resumes exactly: the
+    # placement code the language-model test resumes through)
     assert [r["rollout/staleness"] for r in rows] == [0, 1, 0, 1]
     assert all(r["ratio_mean"] != 1.0 for r in rows[1::2])  # late batches: ratio to the sampling weights
-    assert main(["train", *args, f"run.dir={again}", "train.steps=2"]) == 0
-    assert main(["train", *args, f"run.dir={again}", "train.steps=4", "checkpoint.every=2"]) == 0
-    assert [r["reward/mean"] for r in read_jsonl(again / "metrics.jsonl")] == [r["reward/mean"] for r in rows]
 
 
 def test_lora_runs_send_only_the_adapter(base_model, tmp_path):
     lora = [*LEARN, "train.steps=4", "model.lora={r: 4, alpha: 8}", "optim.lr=1e-3"]
-    one, spread, full = tmp_path / "one", tmp_path / "ray", tmp_path / "full"
+    one, spread = tmp_path / "one", tmp_path / "ray"
     assert main(["train", f"model.path={base_model}", f"run.dir={one}", *lora]) == 0
     assert main(["train", f"model.path={base_model}", f"run.dir={spread}", *lora, *RAY]) == 0
-    assert main(["train", f"model.path={base_model}", f"run.dir={full}", *LEARN, *RAY, "train.steps=2"]) == 0
     rows, ref = read_jsonl(spread / "metrics.jsonl"), read_jsonl(one / "metrics.jsonl")
     # the actors sample with base + the trainer's adapter: the same batches as one process
     assert [r["reward/mean"] for r in rows] == [r["reward/mean"] for r in ref]
     assert ref[-1]["grad_norm"] > 0
-    adapter_mb, full_mb = rows[0]["sync/mb"], read_jsonl(full / "metrics.jsonl")[0]["sync/mb"]
+    from safetensors.torch import load_file
+
+    full_mb = sum(t.numel() * t.element_size() for t in load_file(str(base_model / "model.safetensors")).values()) / 1e6
+    adapter_mb = rows[0]["sync/mb"]
     assert 0 < adapter_mb < full_mb / 5, (adapter_mb, full_mb)

@@ -3,6 +3,7 @@
 import json
 import os
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -32,11 +33,12 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, *rewards, extra=(), port=None):
+    def __init__(self, *rewards, extra=(), port=None, ca=None):
+        """ca: the PEM the service's TLS certificate is checked against (https)."""
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if ca else 'http'}://127.0.0.1:{self.port}"
         self.args = [a for r in rewards for a in ("--reward", r)] + list(extra)
-        self.proc = None
+        self.proc, self.verify = None, ssl.create_default_context(cafile=str(ca)) if ca else True
 
     def start(self):
         env = {**os.environ, "REGEN_REWARD_TOKEN": TOKEN, "PYTHONPATH": str(ROOT)}
@@ -46,9 +48,11 @@ class Server:
         deadline = time.time() + 30
         while time.time() < deadline:
             try:
-                if httpx.get(f"{self.url}/healthz", timeout=0.5).status_code == 200:
+                if httpx.get(f"{self.url}/healthz", timeout=0.5, verify=self.verify).status_code == 200:
                     return self
             except httpx.TransportError:
+                if self.proc.poll() is not None:
+                    break
                 time.sleep(0.1)
         raise RuntimeError(f"server did not start: {self.stop()}")
 
@@ -158,10 +162,15 @@ def test_slow_server_times_out_and_retries_then_missing(server):
 @pytest.mark.parametrize("server", [(["tests.reward_fixtures:crashing"],)], indirect=True)
 def test_server_error_retries_then_missing(server):
     r = httpx.post(f"{server.url}/v1/score", json={"samples": [{"id": "a"}]}, headers=AUTH)
-    assert r.status_code == 500 and "scorer exploded" in r.json()["detail"]
+    # the client learns an error id; what the scorer raised stays in the service's log under it
+    assert r.status_code == 500 and "scorer exploded" not in r.text and "RuntimeError" not in r.text
+    error_id = r.json()["error_id"]
+    assert error_id in r.json()["detail"]
     c = client(server.url, retries=3)
     assert c(text_samples()) == [None] * 4
     assert c.stats()["requests"] == 4 and c.stats()["retries"] == 3
+    log = server.stop()
+    assert f"error id {error_id}" in log and "scorer exploded" in log
 
 
 def test_killed_server_then_back_with_circuit_breaker():

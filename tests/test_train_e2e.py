@@ -1,5 +1,7 @@
 """End-to-end runs of `regen train` on the tiny SFT base (seconds each on 2 cores)."""
 
+import shutil
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -94,12 +96,16 @@ def test_existing_run_resumes_or_refuses(base_model, tmp_path, capsys):
     assert train(run, base_model, "train.steps=1") == 0
     assert "nothing to do" in capsys.readouterr().out
     assert len(read_jsonl(run / "metrics.jsonl")) == 1
-    # metrics but no checkpoint: nothing to resume from, and nothing is overwritten silently
+    # metrics but no checkpoint (killed before its first one): nothing to resume, so it starts again
     other = tmp_path / "other"
     other.mkdir()
     (other / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert train(other, base_model, "train.steps=1") == 0
+    assert "stopped before its first checkpoint: starting it again" in capsys.readouterr().out
+    # a finished run whose checkpoints were deleted is not overwritten silently
+    shutil.rmtree(other / "checkpoints")
     assert train(other, base_model, "train.steps=1") == 2
-    assert "already holds a run without checkpoints" in capsys.readouterr().err
+    assert "already holds a finished run" in capsys.readouterr().err
     assert train(other, base_model, "train.steps=1", "run.overwrite=true") == 0
 
 

@@ -269,6 +269,11 @@ class HealthConfig(Section):
         3600.0, gt=0.0, description="Alert when no checkpoint has been written for this many seconds."
     )
     webhook_url: str | None = Field(None, description="POST every alert as JSON to this URL (in the background).")
+    reward_patience_s: float = Field(
+        600.0, gt=0.0, description="While a reward service is down (its client's circuit breaker open), the loop "
+        "waits before the next step, probing the service, instead of spending steps without scores; after this "
+        "many seconds it stops with a checkpoint."
+    )
 
 
 class WandbSettings(Section):

@@ -36,9 +36,14 @@ def start_ray(cfg) -> None:
         raise UserError("distributed.mode=ray needs Ray: pip install 'regen[ray]'") from None
     d = cfg.distributed
     if ray.is_initialized():
-        return
-    if d.ray_address:
-        ray.init(address=d.ray_address, namespace="regen", log_to_driver=False)
+        pass  # joined already (an earlier run in this process): its resources are checked below
+    elif d.ray_address:
+        try:
+            ray.init(address=d.ray_address, namespace="regen", log_to_driver=False)
+        except (ConnectionError, RuntimeError, ValueError) as e:  # no cluster there, or a bad address
+            raise UserError(f"distributed.ray_address={d.ray_address}: cannot join a Ray cluster "
+                            f"({_first_error_line(e)}); start one with `ray start --head`, or set ray_address: null "
+                            "for a private Ray on this machine") from None
     else:
         cpus = d.rollout_workers * d.rollout_resources.get("num_cpus", 1) + \
             d.reward_workers * d.reward_resources.get("num_cpus", 1)
@@ -78,9 +83,11 @@ class ActorGroup:
     def call(self, i: int, method: str, *args):
         return getattr(self.actors[i], method).remote(*args)
 
-    def get(self, refs: list, method: str, args: list[tuple]) -> list:
+    def get(self, refs: list, method: str, args: list[tuple], pin=None) -> list:
         """Results of refs[i] (a call of `method` with args[i] on actor i), in order; an actor
-        that died is replaced and its call made again on the new one."""
+        that died is replaced and its call made again on the new one. pin(actor): bring the new
+        actor to the state the lost call was made in (the weights of an older version), instead of
+        on_new's current state; on_new's state follows once that call is done."""
         import ray
         from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
@@ -98,9 +105,10 @@ class ActorGroup:
                                          f"{_first_error_line(e)}); see distributed.max_restarts") from None
                     self.generation += 1
                     self.actors[i] = self._spawn(i)
-                    if self.on_new is not None:
-                        self.on_new(self.actors[i])
+                    (pin or self.on_new or (lambda a: None))(self.actors[i])
                     ref = self.call(i, method, *args[i])
+                    if pin is not None and self.on_new is not None:
+                        self.on_new(self.actors[i])  # queued after the call: Ray runs an actor's calls in order
         return out
 
     def push(self, state: dict[str, torch.Tensor], version: int):
@@ -137,7 +145,8 @@ class RayRollouts:
                                   (for_actors(cfg), d.actor_threads), "regen-rollout", d.max_restarts,
                                   on_new=lambda a: ray.get(a.load_weights.remote(self._weights, self.version)))
         self._weights = None
-        self._ahead = None  # (step, items, plan, refs, data and generator state before them)
+        self._by_version: dict[int, object] = {}  # the recent versions' weights, for replaced actors
+        self._ahead = None  # (step, items, plan, refs, data and generator state before them, version)
         self._lag = self.discarded = 0
         try:
             self.sync(version)
@@ -152,11 +161,11 @@ class RayRollouts:
         if ahead is not None and (again or ahead[0] != step):  # not the batch asked for: give back what it took
             self._rewind(ahead)
             ahead = None
-        _, items, plan, refs, _ = ahead if ahead is not None else self._submit(step, gen, again)
-        batch = self._collect(items, plan, refs)
+        _, items, plan, refs, _, version = ahead if ahead is not None else self._submit(step, gen, again)
+        batch = self._collect(items, plan, refs, version)
         if self.version - int(batch.version.min()) > self.bound:  # too stale: sample again, current weights
             self.discarded += 1
-            batch = self._collect(items, plan, self._requests(items, plan))
+            batch = self._collect(items, plan, self._requests(items, plan), self.version)
         self._lag = self.version - int(batch.version.min())
         if self.bound >= 1:  # the next batch overlaps this step's update (at most one version behind)
             self._ahead = self._submit(step + 1, gen)
@@ -165,6 +174,7 @@ class RayRollouts:
     def sync(self, step: int) -> dict[str, float]:
         self._weights, metrics = self.workers.push(self.m.sync_state(), step)
         self.version = step
+        self._by_version = {v: w for v, w in self._by_version.items() if v >= step - self.bound} | {step: self._weights}
         return metrics
 
     def stale(self, batch) -> bool:
@@ -197,7 +207,7 @@ class RayRollouts:
         before = (self.data.state(), gen, gen.get_state())
         items = [self.prompts[i] for i in self.data.take(self.cfg.prompts_per_step)]
         plan = self.m.plan(gen, step, again)
-        return step, items, plan, self._requests(items, plan), before
+        return step, items, plan, self._requests(items, plan), before, self.version
 
     def _shares(self, items, plan) -> list[tuple]:
         n = self.cfg.rollout.group_size
@@ -208,10 +218,18 @@ class RayRollouts:
         return [self.workers.call(i, "sample", *args) if args[0] else None
                 for i, args in enumerate(self._shares(items, plan))]
 
-    def _collect(self, items, plan, refs):
+    def _collect(self, items, plan, refs, version: int):
+        """The batch of requests made when the actors held `version`: an actor that died is
+        replaced and its share sampled again with that version's weights (not the newest), so
+        the batch is the one it would have been."""
+        import ray
+
         shares = self._shares(items, plan)
         live = [i for i, r in enumerate(refs) if r is not None]
-        return self.m.concat(self.workers.get([refs[i] for i in live], "sample", [shares[i] for i in live]))
+        pin = None
+        if version != self.version and version in self._by_version:
+            pin = lambda a: ray.get(a.load_weights.remote(self._by_version[version], version))  # noqa: E731
+        return self.m.concat(self.workers.get([refs[i] for i in live], "sample", [shares[i] for i in live], pin))
 
 
 class RayReward:

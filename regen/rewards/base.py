@@ -100,6 +100,14 @@ class CombinedReward:
         """Each term's scorer version (for a remote scorer: what the service last reported)."""
         return {name: version_of(fn) for name, fn, _, _ in self.terms}
 
+    def down(self) -> list[str]:
+        """The terms whose service is down (a remote client's circuit breaker is open)."""
+        return [name for name, fn, _, _ in self.terms if getattr(fn, "is_down", lambda: False)()]
+
+    def probe(self) -> bool:
+        """Probe the terms that are down; True when every one answers again."""
+        return all(fn.probe() for _, fn, _, _ in self.terms if getattr(fn, "is_down", lambda: False)())
+
     def stats(self) -> dict[str, float]:
         """Counters of stateful terms (e.g. a remote client's retries), as metrics."""
         out = {}

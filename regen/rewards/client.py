@@ -6,11 +6,13 @@
 
 The token is read from the environment variable named by `auth_env` (default
 REGEN_REWARD_TOKEN) or from `auth_file`; it never appears in the config or the run directory.
+An `https://` url is verified against the system's CAs, or against `ca_bundle` (a PEM file).
 
 What did not come back is *missing* (None), never zero: after the retries are spent
 (connection errors, timeouts, 5xx and 429, with exponential backoff and full jitter), or
 while the circuit breaker is open after repeated failures. The loop excludes missing
-samples from the advantages and raises alerts / stops the run when too many are missing.
+samples from the advantages and raises alerts / stops the run when too many are missing;
+while the breaker is open it waits, probing the service, instead of spending steps.
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ class RemoteReward:
         breaker_failures: int = 5,
         breaker_cooldown_s: float = 30.0,
         cache_size: int = 0,
+        ca_bundle: str | None = None,
     ):
         if batch_size < 1 or concurrency < 1 or retries < 0 or timeout_s <= 0:
             raise ConfigError("remote reward: batch_size and concurrency >= 1, retries >= 0, timeout_s > 0")
@@ -100,7 +103,14 @@ class RemoteReward:
         token = _read_token(auth_env, auth_file)
         if token:
             headers["Authorization"] = f"Bearer {token}"
-        self._http = httpx.Client(headers=headers, timeout=timeout_s)
+        verify = True
+        if ca_bundle is not None:  # a service with a certificate of a private CA (or self-signed)
+            if not Path(ca_bundle).expanduser().is_file():
+                raise ConfigError(f"remote reward: ca_bundle '{ca_bundle}' not found")
+            import ssl
+
+            verify = ssl.create_default_context(cafile=str(Path(ca_bundle).expanduser()))
+        self._http = httpx.Client(headers=headers, timeout=timeout_s, verify=verify)
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="regen-reward")
         self.reward_version = "unknown"  # what the service reports; stored in checkpoints
         self.counters = {"requests": 0, "retries": 0, "failed_requests": 0, "cache_hits": 0, "breaker_open": 0}
@@ -135,6 +145,20 @@ class RemoteReward:
     def stats(self) -> dict[str, float]:
         with self._lock:
             return {**self.counters, "breaker_open": float(self.breaker.is_open)}
+
+    def is_down(self) -> bool:
+        """The circuit breaker is open: the service failed `breaker_failures` requests in a row."""
+        return self.breaker.is_open
+
+    def probe(self) -> bool:
+        """Is the service answering again (GET /healthz)? Closes the breaker when it is."""
+        try:
+            ok = self._http.get(f"{self.url}/healthz").status_code == 200
+        except httpx.TransportError:
+            ok = False
+        if ok:
+            self.breaker.record(True)
+        return ok
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)

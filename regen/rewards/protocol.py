@@ -13,8 +13,10 @@
 Results come back in request order, one per sample. A sample that cannot be scored (bad
 media, missing field) gets `score: null` and an `error`; the rest of the batch is scored.
 `label` is set for binary rewards (1 good, 0 bad). Auth: `Authorization: Bearer TOKEN`.
-Errors: 401 bad/missing token, 413 body or batch too large, 422 malformed request (the
-message names the field), 429 saturated (honour Retry-After), 500 scorer crashed.
+Errors: 401 bad/missing token (checked before the body is read), 413 body, batch or decoded
+pixels too large (the message names the limit), 422 malformed request (the message names the
+field), 429 saturated (honour Retry-After), 500 scorer crashed (the body holds an error id;
+the exception is in the service's log). A non-finite or non-numeric score is that sample's error.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ class Media(BaseModel):
 
 
 class SampleIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: JSON types as they are ("finished": "yes" is an error, not true)
+    model_config = ConfigDict(extra="forbid", strict=True)
     id: str
     prompt: str = ""
     text: str | None = None
@@ -87,6 +90,28 @@ def encode_media(array) -> dict:
     else:
         raise ValueError(f"media must be (H, W, C) or (F, H, W, C), got shape {a.shape}")
     return {"type": kind, "data": base64.b64encode(buf.getvalue()).decode("ascii")}
+
+
+def media_pixels(media: Media, cap: int) -> int:
+    """The pixels the media decodes to (frames x height x width), read from the file's headers
+    without decoding any image data (Pillow's frame count skips over the frames' data); a size
+    already past `cap` is not counted further. ValueError names what is wrong with the data."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        raw = base64.b64decode(media.data, validate=True)
+    except ValueError:
+        raise ValueError("media.data is not valid base64") from None
+    try:
+        img = Image.open(io.BytesIO(raw))  # reads the header only
+        w, h = img.size
+        if media.type != "gif" or w * h > cap:
+            return w * h
+        return getattr(img, "n_frames", 1) * w * h
+    except Image.DecompressionBombError:
+        return cap + 1  # Pillow's own guard: far beyond any cap of ours
+    except (UnidentifiedImageError, OSError, SyntaxError):
+        raise ValueError(f"media.data is not a readable {media.type.upper()}") from None
 
 
 def decode_media(media: Media):

@@ -1,9 +1,15 @@
 """`regen serve-reward`: any registered reward as an HTTP scoring service (FastAPI + uvicorn).
 
-Self-protection: bearer token compared in constant time (never logged or echoed), caps on
-body bytes and batch size, a concurrency limit that answers 429 + Retry-After instead of
-queueing without bound, and an optional LRU cache keyed by sample content. Nothing in a
-request is executed or unpickled: samples are JSON, media are decoded as PNG/GIF only.
+Self-protection, in the order a request meets it: the bearer token is checked from the
+headers before any byte of the body is read (constant-time compare; never logged or echoed);
+a connection that does not finish sending its request headers in `header_timeout_s` is
+closed; the body is read up to its cap (413 beyond, declared or streamed); the batch size
+and the decoded pixels of every image (per image and per request, read from the headers of
+the files before anything is decoded) are capped (413 naming the limit); a concurrency limit
+answers 429 + Retry-After instead of queueing without bound. A scorer's non-finite or
+non-numeric score is that sample's error; a crashing scorer gives a 500 whose body holds only
+an error id (the exception goes to the server's log under that id). Nothing in a request is
+executed or unpickled: samples are JSON with strict types, media are decoded as PNG/GIF only.
 """
 
 from __future__ import annotations
@@ -11,11 +17,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
+import math
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import TypeAdapter, ValidationError
@@ -23,7 +32,10 @@ from starlette.concurrency import run_in_threadpool
 
 from regen import __version__
 from regen.rewards.base import Sample, resolve, version_of
-from regen.rewards.protocol import SampleIn, ScoreRequest, ScoreResponse, decode_media
+from regen.rewards.protocol import SampleIn, ScoreRequest, ScoreResponse, decode_media, media_pixels
+
+log = logging.getLogger("regen.reward_service")
+MPX = 1024 * 1024
 
 
 @dataclass
@@ -36,45 +48,57 @@ class ServerConfig:
     retry_after_s: int = 1
     cache_size: int = 0  # 0 = no cache
     args: dict[str, dict[str, Any]] = field(default_factory=dict)  # per-reward keyword arguments
+    max_pixels: int = 32 * MPX  # decoded pixels of one image (frames x height x width for a video)
+    max_request_pixels: int = 128 * MPX  # decoded pixels of all images of one request
+    header_timeout_s: float = 10.0  # a connection must send a request's headers within this
 
 
-class BodyLimit:
-    """ASGI middleware: 413 as soon as a request body is known to exceed the cap, whether the
-    client declared its length or streams it."""
+class Guard:
+    """ASGI middleware, outermost: the token before anything else, then the body read in full
+    up to its cap (413 beyond, whether declared by Content-Length or streamed in chunks), so
+    the application only ever sees an authenticated request of bounded size."""
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, token: bytes | None):
+        self.app, self.limit, self.token = app, limit, token
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers", [])).get(b"content-length")
+        headers = dict(scope.get("headers", []))
+        if self.token is not None and scope["path"].startswith("/v1/"):
+            scheme, _, given = headers.get(b"authorization", b"").partition(b" ")
+            if not (scheme.lower() == b"bearer" and hmac.compare_digest(given, self.token)):
+                return await _reply(send, 401, "missing or invalid bearer token", {"WWW-Authenticate": "Bearer"})
+        declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await _too_large(self.limit, send)
-        seen = 0
-
-        async def counted():
-            nonlocal seen
+            return await _reply(send, 413, f"request body exceeds {self.limit} bytes (--max-body-mb)")
+        body, more = b"", True
+        while more:
             msg = await receive()
-            seen += len(msg.get("body", b""))
-            if seen > self.limit:
-                raise _BodyTooLarge
-            return msg
+            if msg["type"] == "http.disconnect":
+                return
+            body += msg.get("body", b"")
+            more = msg.get("more_body", False)
+            if len(body) > self.limit:
+                return await _reply(send, 413, f"request body exceeds {self.limit} bytes (--max-body-mb)")
+        sent = False
 
-        try:
-            await self.app(scope, counted, send)
-        except _BodyTooLarge:
-            await _too_large(self.limit, send)
+        async def replay():
+            nonlocal sent
+            if sent:
+                return await receive()  # the client's disconnect, when it comes
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
 
 
-class _BodyTooLarge(Exception):
+async def _reply(send, status: int, detail: str, headers: dict | None = None) -> None:
+    await JSONResponse({"detail": detail}, status_code=status, headers=headers)({"type": "http"}, None, send)
+
+
+class TooManyPixels(Exception):
     pass
-
-
-async def _too_large(limit: int, send) -> None:
-    await JSONResponse({"detail": f"request body exceeds {limit} bytes"}, status_code=413)(
-        {"type": "http"}, None, send
-    )
 
 
 def create_app(cfg: ServerConfig) -> FastAPI:
@@ -89,15 +113,6 @@ def create_app(cfg: ServerConfig) -> FastAPI:
     state = {"inflight": 0, "served": 0, "cache_hits": 0}
     cache: OrderedDict[str, tuple[float | None, str | None]] = OrderedDict()
     token = cfg.token.encode() if cfg.token is not None else None
-
-    def require_token(request: Request) -> None:
-        """A dependency: runs before the body is parsed, so a caller without the token learns
-        nothing about the request format."""
-        if token is None:
-            return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if not (scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), token)):
-            raise HTTPException(401, "missing or invalid bearer token", headers={"WWW-Authenticate": "Bearer"})
 
     @app.exception_handler(RequestValidationError)
     async def readable_422(_request, exc: RequestValidationError):
@@ -114,18 +129,19 @@ def create_app(cfg: ServerConfig) -> FastAPI:
     async def healthz():
         return {"status": "ok"}
 
-    @app.get("/v1/info", dependencies=[Depends(require_token)])
+    @app.get("/v1/info")  # the token: checked by Guard before the request reaches here
     async def info():
         return {
             "rewards": [{"name": n, "kind": getattr(f, "reward_kind", "scalar"), "version": version_of(f)}
                         for n, f in fns.items()],
             "limits": {"max_batch": cfg.max_batch, "max_body_bytes": cfg.max_body_bytes,
-                       "max_concurrency": cfg.max_concurrency},
+                       "max_concurrency": cfg.max_concurrency, "max_pixels": cfg.max_pixels,
+                       "max_request_pixels": cfg.max_request_pixels},
             "stats": dict(state),
             "regen_version": __version__,
         }
 
-    @app.post("/v1/score", response_model=ScoreResponse, dependencies=[Depends(require_token)])
+    @app.post("/v1/score", response_model=ScoreResponse)
     async def score(body: ScoreRequest):
         name = body.reward or cfg.rewards[0]
         if name not in fns:
@@ -140,9 +156,14 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         state["inflight"] += 1
         try:
             fn = fns[name]
-            results = await run_in_threadpool(_score_batch, fn, name, body.samples, cache, cfg.cache_size, state)
-        except Exception as e:  # the scorer itself crashed: a server error, the client retries
-            return JSONResponse({"detail": f"scorer '{name}' failed: {type(e).__name__}: {e}"}, status_code=500)
+            results = await run_in_threadpool(_score_batch, fn, name, body.samples, cache, cfg, state)
+        except TooManyPixels as e:
+            return JSONResponse({"detail": str(e)}, status_code=413)
+        except Exception:  # the scorer itself crashed: a server error, the client retries
+            error_id = uuid.uuid4().hex[:12]  # its text stays here: it may tell a caller about the scorer
+            log.exception("scorer '%s' failed (error id %s)", name, error_id)
+            return JSONResponse({"detail": f"scorer '{name}' failed; error id {error_id} (see the service's log)",
+                                 "error_id": error_id}, status_code=500)
         finally:
             state["inflight"] -= 1
         state["served"] += len(results)
@@ -152,14 +173,15 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         return JSONResponse({"scorer": {"name": name, "version": version_of(fns[name]), "kind": kind},
                              "results": results})
 
-    app.add_middleware(BodyLimit, limit=cfg.max_body_bytes)
+    app.add_middleware(Guard, limit=cfg.max_body_bytes, token=token)
     return app
 
 
 _SAMPLES = TypeAdapter(list[SampleIn])
 
 
-def _score_batch(fn, name: str, raw: list[dict], cache: OrderedDict, cache_size: int, state: dict) -> list[dict]:
+def _score_batch(fn, name: str, raw: list[dict], cache: OrderedDict, cfg: ServerConfig, state: dict) -> list[dict]:
+    cache_size = cfg.cache_size
     results: list[dict | None] = [None] * len(raw)
     try:  # fast path: the whole batch is well-formed
         parsed: list[SampleIn | None] = _SAMPLES.validate_python(raw)
@@ -174,9 +196,24 @@ def _score_batch(fn, name: str, raw: list[dict], cache: OrderedDict, cache_size:
                 sid = str(item.get("id", i)) if isinstance(item, dict) else str(i)
                 results[i] = _result(fn, sid, None, f"samples.{i}.{where}: {err['msg']}")
                 parsed.append(None)
+    # the pixels of every image, from the files' headers, before anything is decoded
+    pixels: dict[int, int] = {}
+    for i, s in enumerate(parsed):
+        if s is not None and s.media is not None:
+            try:
+                pixels[i] = media_pixels(s.media, cfg.max_pixels)
+            except ValueError as e:
+                results[i] = _result(fn, s.id, None, f"samples.{i}: {e}")
+    for i, n in pixels.items():
+        if n > cfg.max_pixels:
+            raise TooManyPixels(f"samples.{i}.media: {n} pixels exceed the limit of {cfg.max_pixels} per image "
+                                "(--max-pixels)")
+    if sum(pixels.values()) > cfg.max_request_pixels:
+        raise TooManyPixels(f"samples: {sum(pixels.values())} pixels of images in one request exceed the limit of "
+                            f"{cfg.max_request_pixels} (--max-request-pixels)")
     todo: list[tuple[int, Sample, str]] = []
     for i, s in enumerate(parsed):
-        if s is None:
+        if s is None or results[i] is not None:
             continue
         try:
             media = decode_media(s.media) if s.media is not None else None
@@ -198,14 +235,27 @@ def _score_batch(fn, name: str, raw: list[dict], cache: OrderedDict, cache_size:
         if len(scores) != len(todo):
             raise RuntimeError(f"returned {len(scores)} scores for {len(todo)} samples")
         for (i, _, key), score in zip(todo, scores):
-            score = None if score is None or score != score else float(score)
-            error = None if score is not None else "the scorer returned no score"
+            score, error = _checked(score)
             results[i] = _result(fn, parsed[i].id, score, error)
-            if cache_size:
+            if cache_size and error is None:  # a failure is not remembered: the next request tries again
                 cache[key] = (score, error)
                 while len(cache) > cache_size:
                     cache.popitem(last=False)
     return results  # type: ignore[return-value]
+
+
+def _checked(score) -> tuple[float | None, str | None]:
+    """(score, error) of what a scorer returned for one sample: a finite number, or an error."""
+    if score is None:
+        return None, "the scorer returned no score"
+    if isinstance(score, bool) or not isinstance(score, (int, float)):
+        try:
+            score = float(score)  # numpy / torch scalars
+        except (TypeError, ValueError):
+            return None, f"the scorer returned a non-numeric score of type {type(score).__name__}"
+    if not math.isfinite(score):
+        return None, f"the scorer returned a non-finite score ({score})"
+    return float(score), None
 
 
 def _result(fn, sid: str, score: float | None, error: str | None) -> dict:
@@ -215,8 +265,59 @@ def _result(fn, sid: str, score: float | None, error: str | None) -> dict:
     return {"id": sid, "score": score, "label": label, "error": error}
 
 
-def serve(cfg: ServerConfig, host: str, port: int, log_level: str = "warning") -> None:
+def serve(cfg: ServerConfig, host: str, port: int, log_level: str = "warning", ssl_certfile: str | None = None,
+          ssl_keyfile: str | None = None, app=None, ready=None) -> None:
+    """Run the service (app: built by create_app already, e.g. so that a bad --reward fails before
+    anything is announced; ready(): called once the rewards are resolved)."""
     import uvicorn
 
+    app = app or create_app(cfg)
+    if ready is not None:
+        ready()
+    logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # access_log off: request lines are harmless, but a service of ours logs nothing it does not need
-    uvicorn.run(create_app(cfg), host=host, port=port, log_level=log_level, access_log=False)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False, http=header_timeout(cfg),
+                ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile)
+
+
+def header_timeout(cfg: ServerConfig):
+    """uvicorn's h11 protocol, closing a connection that has not sent a whole request's headers
+    within cfg.header_timeout_s of connecting or of its last response (a slow client would
+    otherwise hold a connection open for ever)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderTimeout(H11Protocol):
+        _timer = None
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.cycle is not None and not self.cycle.response_complete:
+                self._disarm()  # a request's headers are in: it is being served
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()  # the next request's headers, on a kept-alive connection
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._timer = self.loop.call_later(cfg.header_timeout_s, self._too_slow)
+
+        def _disarm(self) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+        def _too_slow(self) -> None:
+            self._timer = None
+            if self.cycle is None or self.cycle.response_complete:
+                self.transport.close()
+
+    return HeaderTimeout

@@ -25,6 +25,12 @@ class ShardedReward:
     def versions(self) -> dict[str, str]:
         return self.inner.versions()
 
+    def down(self) -> list[str]:
+        return self.inner.down()
+
+    def probe(self) -> bool:
+        return self.inner.probe()
+
     def stats(self) -> dict[str, float]:
         """This rank's counters (rank 0's are the ones logged)."""
         return self.inner.stats()

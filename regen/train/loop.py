@@ -62,6 +62,7 @@ def train(cfg, resume: bool = False, force: bool = False) -> dict:
                 f"{k.removeprefix('eval/')} {v:.3f}" for k, v in summary["eval_before"].items()))
         step = run.start_step
         for step in range(run.start_step + 1, cfg.train.steps + 1):
+            run.wait_for_reward(step, stop, bar)  # a reward service that is down: wait, do not spend steps
             t0 = time.perf_counter()
             # 1. sample: a group of n samples for each prompt of this step (token sequences, or
             # images / videos with SDE steps where the method trains on them)

@@ -11,6 +11,7 @@ books are kept here.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +36,16 @@ from regen.runtime.metrics import MetricsLogger
 from regen.runtime.offload import PhaseHooks, loop_hooks
 from regen.runtime.optim import lr_at, make_optimizer, set_lr
 from regen.runtime.precision import Precision
-from regen.runtime.rundir import end_status, mark_closed, mark_running, prepare, setup_torch, versions, write_folder
+from regen.runtime.rundir import (
+    end_status,
+    mark_closed,
+    mark_running,
+    prepare,
+    setup_torch,
+    unlock,
+    versions,
+    write_folder,
+)
 
 
 @dataclass
@@ -68,6 +78,10 @@ class Run:
         d = rdist.start(cfg.distributed.mode, cfg.distributed.strategy, cfg.distributed.backend, device)
         check_placement(cfg, d)
         reward, prompts, eval_items = run_inputs(cfg)
+        if cfg.distributed.mode == "ray":  # the cluster and its resources, before the run directory is touched
+            from regen.placement.ray import start_ray
+
+            start_ray(cfg)
         run_dir, resume = prepare_on_rank0(cfg, resume, d)
         setup_torch(cfg.run.threads, cfg.run.seed)
         alerts = Alerts(run_dir, webhook_url=cfg.health.webhook_url)
@@ -93,6 +107,11 @@ class Run:
         health = HealthMonitor(cfg.health, alerts)
         start_step = restore_books(state, run_dir, opt, data, gen, health,
                                    load_optimizer=lambda sd: d.load_optim_state(m.trained, opt, sd))
+        try:  # the workers (Ray actors) before anything is written: one that cannot start leaves no run behind
+            reward, rollout = place(cfg, d, m, reward, data, prompts, start_step)
+        except BaseException:
+            unlock(run_dir)
+            raise
         if d.main:
             dump_config(cfg, run_dir / "config.yaml")
             mark_running(run_dir)  # run.json: `regen status` tells a live run from a dead one
@@ -102,7 +121,6 @@ class Run:
             cfg.log.progress, log = "none", SilentLog()  # one progress bar and one metrics file: rank 0's
         optimizers, idle = m.frozen()
         hooks = loop_hooks(cfg.train.offload, device, [opt, *optimizers], idle)
-        reward, rollout = place(cfg, d, m, reward, data, prompts, start_step)
         return cls(cfg, run_dir, m, opt, data, gen, reward, prompts, eval_items, log, alerts, health, start_step,
                    rollout, d, Precision(cfg.train.precision, device), hooks, mirror,
                    state["state"].get("reward_versions") if state else None)
@@ -118,15 +136,49 @@ class Run:
 
     def check_rewards(self, step: int, adv_metrics: dict) -> None:
         """Alerts on a step's rewards: too many missing, or a scorer whose version changed since
-        the checkpoint this run resumed from (rewards before and after are not comparable)."""
+        the checkpoint this run resumed from (rewards before and after are not comparable). A
+        version not known on either side (a service that has not answered yet) is not compared."""
         missing = float(adv_metrics["missing_frac"])
         if missing > self.cfg.health.missing_alert_frac:
             self.alerts.fire(step, "reward_missing", f"{missing:.0%} of rewards missing", missing_frac=missing)
-        now = self.reward.versions()
-        if self.expected_versions and now != self.expected_versions:
-            self.alerts.fire(step, "scorer_version_changed", f"reward versions {self.expected_versions} at the "
-                             f"checkpoint, now {now}: rewards before and after are not comparable")
-            self.expected_versions = None
+        before, now = self.expected_versions, self.reward.versions()
+        if not before or any(now.get(k) == UNKNOWN for k in before):
+            return  # not yet known: checked at a later step
+        changed = {k: (v, now.get(k)) for k, v in before.items() if v != UNKNOWN and now.get(k) != v}
+        if changed:
+            self.alerts.fire(step, "scorer_version_changed", f"reward versions {before} at the checkpoint, now "
+                             f"{now}: rewards before and after are not comparable")
+        self.expected_versions = None
+
+    def wait_for_reward(self, step: int, stop, bar) -> None:
+        """Before step `step`: while a reward service is down (its client's circuit breaker open),
+        wait and probe it instead of sampling a batch that cannot be scored; past
+        health.reward_patience_s stop with a checkpoint. Under torchrun rank 0 decides."""
+        d, patience = self.dist, self.cfg.health.reward_patience_s
+        down = d.broadcast_object(getattr(self.reward, "down", list)() if d.main else None)
+        if not down:
+            return
+        self.alerts.fire(step, "reward_service_down", f"reward service down ({', '.join(down)}: circuit breaker "
+                         f"open); waiting for it, up to {patience:g} s (health.reward_patience_s)")
+        t0, shown = time.monotonic(), time.monotonic()
+        while True:
+            back = d.broadcast_object(self.reward.probe() if d.main else None)
+            if back:
+                self.reward.probe()  # every rank's client closes its breaker
+                self.alerts.fire(step, "reward_service_back", f"reward service answering again after "
+                                 f"{time.monotonic() - t0:.0f} s")
+                return
+            if d.any_true(stop.requested):
+                return  # the step runs (unscored) and the loop stops after it with a checkpoint
+            if time.monotonic() - t0 > patience:
+                self.save(step - 1)
+                raise RunStopped(f"stopped before step {step}: the reward service ({', '.join(down)}) did not come "
+                                 f"back in {patience:g} s (health.reward_patience_s); a checkpoint was written: "
+                                 "rerun the same command once it is up")
+            if time.monotonic() - shown > 30:
+                bar.print(f"waiting for the reward service ({', '.join(down)}): {time.monotonic() - t0:.0f} s")
+                shown = time.monotonic()
+            time.sleep(0.5)
 
     def end_step(self, step: int, metrics: dict, scored: bool, bar) -> None:
         """Evaluation when due, the metrics row, health (skip / roll back / alert), the periodic
@@ -238,6 +290,9 @@ class Run:
         if self.dist.main:
             mark_closed(self.run_dir, end_status(self.run_dir, self.cfg.train.steps))
         rdist.stop()
+
+
+UNKNOWN = "unknown"  # the version of a remote scorer that has not answered yet
 
 
 class SilentLog:
