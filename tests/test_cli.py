@@ -44,12 +44,22 @@ def test_print_config_resolves_overrides(capsys):
         (["train", "no_such_config.yaml"], "config file 'no_such_config.yaml' not found"),
     ],
 )
-def test_user_errors_are_one_clear_line(tmp_path, args, message):
-    res = run(*args, f"run.dir={tmp_path / 'run'}", cwd=tmp_path)
-    assert res.returncode == 2, res.stderr
-    assert message in res.stderr, res.stderr
-    assert "Traceback" not in res.stderr and res.stderr.count("\n") == 1
+def test_user_errors_are_one_clear_line(tmp_path, args, message, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main([*args, f"run.dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and err.count("\n") == 1, err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train", "model.path=m", "rollout.temprature=0.5"], "did you mean 'rollout.temperature'"),
+    (["train", "model.path=./no/such/model", "data.eval=null"], "model.path: folder './no/such/model' not found"),
+])
+def test_the_real_command_prints_one_line_and_exits_2(tmp_path, args, message):
+    res = run(*args, f"run.dir={tmp_path / 'run'}", cwd=tmp_path)  # nothing else reaches stderr
+    assert res.returncode == 2, res.stderr
+    assert message in res.stderr and "Traceback" not in res.stderr and res.stderr.count("\n") == 1, res.stderr
 
 
 def test_malformed_prompt_line(tmp_path, base_model, capsys):

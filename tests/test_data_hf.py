@@ -13,8 +13,8 @@ from tests.conftest import read_jsonl
 datasets = pytest.importorskip("datasets")
 
 
-def _builtin_pairs(split):
-    return load_pairs(f"builtin:arithmetic:{split}", TaskConfig(), "data")
+def _builtin_pairs(split, task=None):
+    return load_pairs(f"builtin:arithmetic:{split}", task or TaskConfig(), "data")
 
 
 def _as_dataset(pairs, names=("prompt", "chosen", "rejected")):
@@ -36,11 +36,12 @@ def test_dpo_from_a_saved_dataset_equals_the_builtin_pairs(base_model, tmp_path)
     like the built-in ones: same metrics at every step."""
     folder = tmp_path / "prefs"
     names = ("question", "good", "bad")
-    datasets.DatasetDict({"train": _as_dataset(_builtin_pairs("train"), names),
-                          "test": _as_dataset(_builtin_pairs("test"), names)}).save_to_disk(str(folder))
+    task = TaskConfig(digits=1, test_size=20)  # 80 + 20 pairs: DPO scores them all under the reference first
+    datasets.DatasetDict({"train": _as_dataset(_builtin_pairs("train", task), names),
+                          "test": _as_dataset(_builtin_pairs("test", task), names)}).save_to_disk(str(folder))
     common = ["train", f"model.path={base_model}", "algorithm.name=dpo", "train.steps=6", "optim.lr=1e-3",
               "train.global_minibatch_size=16", "log.progress=none", "log.tensorboard=false", "eval.num_prompts=16"]
-    assert main([*common, f"run.dir={tmp_path / 'builtin'}"]) == 0
+    assert main([*common, f"run.dir={tmp_path / 'builtin'}", "task.digits=1", "task.test_size=20"]) == 0
     assert main([*common, f"run.dir={tmp_path / 'hf'}", f"data.train=hf:{folder}:train",
                  f"data.eval=hf:{folder}:test",
                  "data.columns={prompt: question, chosen: good, rejected: bad}"]) == 0
