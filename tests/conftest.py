@@ -123,20 +123,8 @@ def job(request) -> Job:
 
 
 def nan_at_steps(monkeypatch, steps) -> None:
-    """In this process, the loss is NaN at these RL steps (by step, so a resumed run sees the same
-    steps fail): tests/fault_entry.py's REGEN_FAULT_NAN_STEPS, for in-process runs."""
+    """In this process, the loss is NaN at these RL steps (tests/faults.py)."""
     import regen.train.loop as loop
+    from tests.faults import nan_update
 
-    real_update = loop.update
-
-    def update(m, *args, **kw):
-        if args[6] not in steps:  # update(m, opt, batch, adv, fixed, cfg, gen, step, ...)
-            return real_update(m, *args, **kw)
-        real_loss = m.micro_loss
-        m.micro_loss = lambda mini, pos: (lambda out: (out[0] * float("nan"), out[1]))(real_loss(mini, pos))
-        try:
-            return real_update(m, *args, **kw)
-        finally:
-            del m.micro_loss
-
-    monkeypatch.setattr(loop, "update", update)
+    monkeypatch.setattr(loop, "update", nan_update(loop.update, steps))

@@ -23,6 +23,7 @@ import regen.runtime.metrics as metrics
 import regen.train.loop as loop
 from regen.cli import main
 from regen.train.run import Run
+from tests.faults import nan_update
 
 
 def _die() -> None:
@@ -33,20 +34,7 @@ def _die() -> None:
 def _install() -> None:
     nan_steps = {int(s) for s in os.environ.get("REGEN_FAULT_NAN_STEPS", "").split(",") if s}
     if nan_steps:
-        real_update = loop.update
-
-        def update(m, *args, **kw):
-            step = args[6]  # update(m, opt, batch, adv, fixed, cfg, gen, step, ...)
-            if step not in nan_steps:
-                return real_update(m, *args, **kw)
-            real_loss = m.micro_loss
-            m.micro_loss = lambda mini, pos: (lambda out: (out[0] * float("nan"), out[1]))(real_loss(mini, pos))
-            try:
-                return real_update(m, *args, **kw)
-            finally:
-                del m.micro_loss  # the class's again
-
-        loop.update = update
+        loop.update = nan_update(loop.update, nan_steps)
     when = os.environ.get("REGEN_FAULT_KILL", "")
     kind, _, arg = when.partition(":")
     if kind == "after_save":

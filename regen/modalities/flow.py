@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from regen.algorithms.flow import (
     awm_loss,
@@ -36,21 +36,17 @@ from regen.algorithms.flow import (
 )
 from regen.algorithms.losses import batch_denominators
 from regen.modalities.base import Advantages, Modality
+from regen.modalities.flow_copies import (  # noqa: F401  (build_policy: re-exported)
+    build_policy,
+    frozen_copy,
+    plain_copy,
+    reload_copy,
+    trained_pairs,
+)
 from regen.modalities.flow_media import save_media
 from regen.policies.flow import FlowPolicy, FlowSample, draw_noise
-from regen.policies.flow_load import load_flow_policy
-from regen.policies.flow_lora import (
-    BaseView,
-    add_lora,
-    load_adapter,
-    load_state,
-    merged,
-    save_adapter,
-    swapped,
-    trainable_state,
-)
+from regen.policies.flow_lora import BaseView, merged, save_adapter, swapped, trainable_state
 from regen.rewards import Sample
-from regen.runtime import checkpoint as ckpt
 from regen.runtime.dist import Dist
 from regen.runtime.metrics import nanmean
 from regen.samplers.flow import sde_steps, window_start
@@ -384,62 +380,3 @@ def _step_kl(means: list, other: list, stds: list[float], B: int) -> torch.Tenso
 
 def _rows(means: list, rows) -> list:
     return [None if m is None else m[rows.to(m.device)] for m in means]
-
-
-def build_policy(cfg, device: torch.device, model_dir: Path | None = None) -> FlowPolicy:
-    """The policy to train: the starting model, or a checkpoint's model/ (resume, rollback);
-    with model.lora, the starting model plus a fresh adapter or the checkpoint's."""
-    lora = cfg.model.lora
-    source = cfg.model if model_dir is None or lora is not None else ckpt.resumed_model(cfg.model, {"model_dir": model_dir})
-    policy = load_flow_policy(source, cfg.run.seed, device)
-    if lora is not None:
-        add_lora(policy.unet, lora, cfg.run.seed)
-        if model_dir is not None:
-            load_adapter(policy.unet, model_dir)
-    # RL trains the velocity model only; the prompt encoder stays as pretrained, as text
-    # encoders do in Flow-GRPO / DiffusionNFT. A moving encoder would also move NFT's
-    # "old" policy (the EMA UNet reads the same prompt vectors).
-    policy.encoder.requires_grad_(False)
-    return policy
-
-
-def frozen_copy(net: torch.nn.Module, folder: Path | None, name: str, alerts) -> torch.nn.Module:
-    """A frozen copy of `net` (NFT's old policy, the weight EMA), with the trained tensors saved
-    as `name` in checkpoint `folder` when given; a checkpoint without them starts a new copy."""
-    out = copy.deepcopy(net).eval().requires_grad_(False)
-    if folder is not None:
-        reload_copy(out, net, folder, name, alerts)
-    return out
-
-
-def reload_copy(out: torch.nn.Module, net: torch.nn.Module, folder: Path | None, name: str, alerts,
-                d: Dist | None = None) -> None:
-    """Set the copy `out` from checkpoint `folder`'s `name`, or, without it, to `net`'s weights
-    (d: under FSDP2 both are sharded, and a saved file holds the full tensors)."""
-    d = d or Dist()
-    file = None if folder is None else folder / name
-    if file is not None and file.is_file():
-        state = load_file(str(file))
-        if d.sharded:
-            d.load_model_state(out, state)
-        else:
-            load_state(out, state, str(file))
-        return
-    if folder is not None and alerts is not None:
-        alerts.fire(-1, "checkpoint_incomplete", f"{folder.name} holds no {name}: it starts from the current weights")
-    out.load_state_dict(net.state_dict())
-
-
-def trained_pairs(copy_net: torch.nn.Module, net: torch.nn.Module) -> tuple[list, list]:
-    """The copy's and the network's parameters that training changes, in the same order."""
-    names = {n for n, p in net.named_parameters() if p.requires_grad}
-    return ([p for n, p in copy_net.named_parameters() if n in names], [p for n, p in net.named_parameters() if n in names])
-
-
-def plain_copy(net: torch.nn.Module, weights: dict | None) -> torch.nn.Module:
-    """`net` itself, or (weights gathered from FSDP2 shards) an unsharded module of its class with them."""
-    if weights is None:
-        return net
-    plain = type(net).from_config(net.config)
-    plain.load_state_dict(weights)
-    return plain

@@ -1,0 +1,108 @@
+"""Starting an RL run: everything checked or read before the loop's first step, for Run.start
+(regen/train/run.py): the user's inputs before the run directory is touched, the run
+directory on torchrun's rank 0, the checkpoint to resume and whether its settings still
+hold, the books it restores, the S3 mirror."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from regen.config import RLConfig, incompatible_changes, redact
+from regen.data import PromptItem, load_prompts
+from regen.errors import UserError
+from regen.rewards import CombinedReward
+from regen.runtime import checkpoint as ckpt
+from regen.runtime import dist as rdist
+from regen.runtime.alerts import Alerts
+from regen.runtime.health import HealthMonitor
+from regen.runtime.loggers import require as require_loggers
+from regen.runtime.rundir import prepare
+
+
+class SilentLog:
+    """The metrics logger of torchrun ranks other than 0 (rank 0 writes metrics.jsonl)."""
+
+    def log(self, step: int, metrics: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def run_inputs(cfg: RLConfig) -> tuple[CombinedReward, list[PromptItem], list[PromptItem]]:
+    """Loggers' packages, rewards and prompts: everything the user gave that can be wrong,
+    checked before the run directory is touched."""
+    require_loggers(cfg.log)  # W&B / MLflow installed when turned on
+    reward = CombinedReward.from_config(cfg.reward)
+    skip = cfg.data.on_bad_line == "skip"
+    prompts = load_prompts(cfg.data.train, cfg.task, "data.train", skip, cfg.data.columns)
+    eval_items = load_prompts(cfg.data.eval, cfg.task, "data.eval", skip, cfg.data.columns) if cfg.data.eval else []
+    if len(prompts) < cfg.prompts_per_step:
+        raise UserError(f"data.train: {len(prompts)} prompts, fewer than the {cfg.prompts_per_step} per step")
+    return reward, prompts, eval_items
+
+
+def prepare_on_rank0(cfg: RLConfig, resume: bool, d: rdist.Dist) -> tuple[Path, bool]:
+    """Rank 0 creates or checks the run directory; the others learn the outcome (or its error)."""
+    outcome: tuple = (None, resume, None)
+    if d.main:
+        try:
+            outcome = (*prepare(cfg.run.dir, cfg.run.overwrite, resume), None)
+        except UserError as e:
+            outcome = (None, resume, str(e))
+    run_dir, resume, error = d.broadcast_object(outcome)
+    if error is not None:
+        raise UserError(error)
+    return Path(run_dir), resume
+
+
+def resume_state(cfg: RLConfig, run_dir: Path, alerts: Alerts, force: bool) -> dict:
+    """The newest valid checkpoint, refused when settings that change the computation differ
+    from the ones it was trained with (unless force)."""
+    state = ckpt.load_latest(run_dir, warn=lambda m: alerts.fire(-1, "checkpoint_skipped", m))
+    saved = state["state"].get("config")
+    diff = changed_settings(cfg, saved) if saved else []
+    if diff and not force:
+        raise UserError("cannot resume: the config differs from the checkpoint's in "
+                        + "; ".join(diff) + " (pass --force to resume anyway, or use another run.dir)")
+    print(f"resuming from {state['folder']}")
+    return state
+
+
+def changed_settings(cfg: RLConfig, saved: dict) -> list[str]:
+    """What differs between a checkpoint's config and this run's, among the keys the method reads
+    (only those change the computation); a checkpoint of an older regen is read in today's keys."""
+    from regen.config.methods import migrate
+
+    now = redact(cfg.model_dump(mode="json"))
+    return incompatible_changes(cfg.read_tree(migrate(saved)), cfg.read_tree(now))
+
+
+def restore_books(state: dict | None, run_dir: Path, opt, data, gen, health: HealthMonitor,
+                  load_optimizer=None) -> int:
+    """The step to continue from (0 for a new run): optimizer, data position, RNG streams and
+    health monitor back as the checkpoint `state` left them. load_optimizer(state_dict): how the
+    optimizer takes its state (FSDP2 shards it), default opt.load_state_dict."""
+    if state is None:
+        return 0
+    step = ckpt.restore(state, run_dir, opt, data, gen, load_optimizer)
+    if "health" in state["state"]:
+        health.load_state(state["state"]["health"])
+    return step
+
+
+def open_mirror(cfg: RLConfig, alerts: Alerts):
+    """The S3 mirror, checked at start so a wrong bucket or missing credentials is one clear
+    error now instead of failed uploads later."""
+    if not cfg.mirror.url:
+        return None
+    from regen.runtime.mirror import S3Mirror
+
+    mirror = S3Mirror(cfg.mirror.url, endpoint_url=cfg.mirror.endpoint_url, keep_last=cfg.mirror.keep_last,
+                      on_event=lambda kind, message, **data: alerts.fire(data.pop("step", -1), kind, message, **data)
+                      if kind != "mirror_uploaded" else None)
+    try:
+        mirror.list_complete()
+    except Exception as e:  # botocore raises many types; all mean the same thing here
+        raise UserError(f"mirror.url: cannot list '{cfg.mirror.url}': {type(e).__name__}: {e}") from None
+    return mirror
