@@ -143,7 +143,9 @@ def test_flow_models_on_rollout_actors_sample_what_one_process_does(algo, flow_b
     one, spread = tmp_path / "one", tmp_path / "ray"
     assert main(["train", *args, f"run.dir={one}"]) == 0
     killed: list = []
-    watcher = kill_when(spread, 2, "regen-rollout-1-g0", killed)
+    # after the first step's row: two more steps need the actor (after the second, its last
+    # batch may already be sampled when the kill lands, and nothing would have to restart)
+    watcher = kill_when(spread, 1, "regen-rollout-1-g0", killed)
     assert main(["train", *args, f"run.dir={spread}", *RAY]) == 0
     watcher.join(1)
     rows, ref = read_jsonl(spread / "metrics.jsonl"), read_jsonl(one / "metrics.jsonl")

@@ -31,7 +31,8 @@ REWARD = ("reward=[{name: format, args: {pattern: '" + PATTERN + "', require_eos
 COMMON = ["model.init=arith-char-gpt2", "rollout.global_batch_size=16", "rollout.group_size=4",
           "rollout.max_new_tokens=5", "log.progress=none", "log.tensorboard=false", "eval.every=2",
           "eval.num_prompts=20", "checkpoint.every=2", "checkpoint.keep_last=5", "optim.lr=1e-3", REWARD]
-RL_CHARTS = {"reward", "components", "kl", "clip", "entropy", "length", "throughput", "fractions", "loss", "lr",
+# no "kl": these runs train without a KL term (kl_coef 0), and a chart of zeros is left out
+RL_CHARTS = {"reward", "components", "clip", "entropy", "length", "throughput", "fractions", "loss", "lr",
              "eval-eval/accuracy", "eval-eval/length", "eval-eval/reward", "time-split"}
 
 
@@ -347,3 +348,22 @@ def test_help_explains_the_verbs(capsys):
 def test_nice_ticks():
     assert nice_ticks(0, 1) == [0, 0.25, 0.5, 0.75, 1.0]
     assert nice_ticks(3, 97) == [25, 50, 75]
+
+
+def test_a_flat_series_gets_distinct_tick_labels_the_timeline_sits_in_the_grid_and_lora_is_named(tmp_path):
+    rows = rl_rows(12)
+    for r in rows:  # a learning rate constant but for rounding, and a KL term that is off
+        r.update(lr=1e-3 + 1e-13 * r["step"], kl=0.0)
+    run = synthetic_run(tmp_path / "flat", rows, alerts=[{"time": time.time(), "step": 4, "kind": "nonfinite",
+                                                          "message": "skipped"}])
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    cfg["model"]["lora"] = {"r": 8, "alpha": 16.0, "dropout": 0.0, "target_modules": None}
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    html = report_html([run], tmp_path)
+    lr = re.search(r'<figure class="plot ax-step" data-chart="lr">.*?</figure>', html).group(0)
+    labels = re.findall(r'text-anchor="end">([^<]+)</text>', lr)
+    assert labels and len(labels) == len(set(labels)), labels  # each y tick once
+    assert "kl" not in figures(html)  # a KL of 0 at every step: no chart of nothing
+    grid = re.search(r'<div class="plots timelines">(.*?)</div>\s*</section>', html, re.S)
+    assert grid and 'data-chart="alerts"' in grid.group(1)  # same grid, same width, same font size as the charts
+    assert fact(html, "lora") == "r 8, alpha 16.0"

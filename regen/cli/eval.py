@@ -89,6 +89,19 @@ def load_run_config(path: Path, max_new_tokens: int | None):
     return load_config(SFTConfig if "sft" in tree else RLConfig, str(path), overrides, refuse_unread=False)
 
 
+def _reward_args(given: list[str] | None, i: int) -> dict:
+    """The i-th --reward-args (a YAML mapping), or {}."""
+    if not given or i >= len(given):
+        return {}
+    try:
+        args = yaml.safe_load(given[i])
+    except yaml.YAMLError as e:
+        raise UserError(f"--reward-args '{given[i]}': not valid YAML ({getattr(e, 'problem', e)})") from None
+    if not isinstance(args, dict):
+        raise UserError(f"--reward-args '{given[i]}': must be a mapping such as '{{pattern: \"[0-9]+\"}}'")
+    return args
+
+
 def settings(args, cfg) -> tuple[dict[str, Any], list]:
     """(sampling settings, reward terms): flags, else the config's, else DEFAULTS."""
     from regen.config import RewardTerm
@@ -108,8 +121,10 @@ def settings(args, cfg) -> tuple[dict[str, Any], list]:
     for flag in FLAGS:
         if getattr(args, flag) is not None:
             s[flag] = getattr(args, flag)
+    if args.reward_args and len(args.reward_args) > len(args.reward or []):
+        raise UserError("--reward-args: each one goes with the --reward before it (more --reward-args than --reward)")
     if args.reward:  # rewards named on the command line replace the config's
-        terms = [RewardTerm(name=n) for n in args.reward]
+        terms = [RewardTerm(name=n, args=_reward_args(args.reward_args, i)) for i, n in enumerate(args.reward)]
     for flag in ("num_prompts", "samples_per_prompt", "max_new_tokens"):
         if s[flag] < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be at least 1")

@@ -96,7 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--greedy", action="store_true", help="Decode greedily (one completion per prompt).")
     ev.add_argument("--reward", action="append", default=None, metavar="NAME",
                     help="Score with this reward (repeatable; registered name or module:function); replaces the "
-                    "config's reward terms.")
+                    "config's reward terms. `regen rewards` lists them with their arguments.")
+    ev.add_argument("--reward-args", action="append", default=None, metavar="YAML",
+                    help="Arguments of the --reward at the same position, as a YAML mapping, e.g. "
+                    "--reward format --reward-args '{pattern: \"[0-9]+\"}'.")
     ev.add_argument("--seed", type=int, help="Sampling seed (default: run.seed, else 0).")
     ev.add_argument("--digits", type=int,
                     help="Operand digits of the built-in arithmetic task (default: task.digits, else 2).")
@@ -149,13 +152,14 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("run_dir", metavar="RUN_DIR", help="Run directory.")
 
     sub.add_parser("rewards", help="List the registered reward functions.",
-                   description="List registered reward names with the first line of their documentation.")
+                   description="List registered reward names with what each computes and its arguments (defaults).")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _quiet_libraries()
+    _user_modules(args)
     try:
         return VERBS[args.verb](args)
     except UserError as e:
@@ -168,11 +172,26 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def _user_modules(args) -> None:
+    """A reward (or any 'module:function' of the config) next to the user's files imports as with
+    `python -m`: from the current directory and from the config file's folder."""
+    from regen.rewards.base import add_user_path
+
+    add_user_path(Path.cwd())
+    config = getattr(args, "config", None)
+    if isinstance(config, str) and Path(config).is_file():
+        add_user_path(Path(config).resolve().parent)
+
+
 def _quiet_libraries() -> None:
     """Our own progress bar is the one to watch; transformers' save/load bars only add noise."""
     import os
+    import warnings
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # peft asks transformers for a deprecated attribute on every LoRA load and merge: the notice
+    # is for peft's authors, not for our users
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     try:
         from transformers.utils import logging as hf_logging
 
@@ -324,10 +343,17 @@ def cmd_status(args) -> int:
 
 def cmd_rewards(args) -> int:
     from regen.rewards import REGISTRY
+    from regen.rewards.base import describe_reward
 
-    for name, fn in sorted(REGISTRY.items()):
-        doc = (fn.__doc__ or "").strip().splitlines()
-        print(f"{name:<14} {doc[0] if doc else ''}")
+    rows = [describe_reward(name, fn) for name, fn in sorted(REGISTRY.items())]
+    width = max(len(name) for name, _, _ in rows) + 2
+    for name, summary, arguments in rows:
+        print(textwrap.fill(summary, 100, initial_indent=f"{name:<{width}}", subsequent_indent=" " * width))
+        if arguments:
+            print(textwrap.fill("args: " + arguments, 100, initial_indent=" " * width,
+                                subsequent_indent=" " * (width + 6)))
+    print("\nIn a config: reward: [{name: NAME, weight: 1.0, args: {...}}]; `regen eval --reward NAME "
+          "--reward-args '{...}'`. Any 'package.module:function' works too (see README: Your reward).")
     return 0
 
 

@@ -68,10 +68,11 @@ class ModelConfig(Section):
 class DataConfig(Section):
     train: str = Field(
         "builtin:arithmetic:train",
-        description="Training prompts: a JSONL file (one object per line with a 'prompt' field; other fields "
-        "are passed to rewards), a Hugging Face dataset 'hf:NAME_OR_PATH[:SPLIT]' (a save_to_disk folder, a "
-        "folder of parquet/JSON files, or a hub id where a network exists; split defaults to train), or "
-        "'builtin:arithmetic:train'. DPO reads preference pairs (prompt, chosen, rejected) from it.",
+        description="Training data: a JSONL file, a Hugging Face dataset 'hf:NAME_OR_PATH[:SPLIT]' (a save_to_disk "
+        "folder, a folder of parquet/JSON files, or a hub id where a network exists; split defaults to train), "
+        "or 'builtin:arithmetic:train'. Rows by verb: `regen train` (RL) {\"prompt\": ...} (other fields, e.g. "
+        "\"answer\", reach the rewards as Sample.meta); algorithm.name=dpo {\"prompt\", \"chosen\", \"rejected\"}; "
+        "`regen sft` {\"prompt\", \"completion\"}.",
     )
     eval: str | None = Field(
         "builtin:arithmetic:test", description="Held-out prompts, same formats as data.train; null disables eval."

@@ -171,8 +171,16 @@ def _closest_key(kind: type[BaseModel], loc: list[str]) -> str | None:
         else:
             return None
     names = list(getattr(model, "model_fields", {}))
-    match = difflib.get_close_matches(loc[-1], names, n=1, cutoff=0.5)
+    match = [ALIASES[loc[-1]]] if ALIASES.get(loc[-1]) in names else \
+        difflib.get_close_matches(loc[-1], names, n=1, cutoff=0.5)
     return ".".join([*loc[:-1], match[0]]) if match else None
+
+
+# Names other libraries use for a key of ours, too unlike it for a spelling match (peft's LoRA
+# settings, TRL's and OpenRLHF's names).
+ALIASES = {"rank": "r", "lora_r": "r", "lora_alpha": "alpha", "lora_dropout": "dropout", "target": "target_modules",
+           "beta": "kl_coef", "epsilon": "clip_low", "epsilon_high": "clip_high", "num_generations": "group_size",
+           "max_completion_length": "max_new_tokens", "learning_rate": "lr", "num_train_epochs": "ppo_epochs"}
 
 
 # Settings a resumed run may change freely: they do not alter what the run computes.
@@ -234,7 +242,8 @@ def dump_config(cfg: BaseModel, path: Path) -> None:
 
 
 def describe(kind: type[BaseModel], prefix: str = "") -> list[tuple[str, str, str]]:
-    """(dotted key, default, description) for every leaf field: the `--help-config` table."""
+    """(dotted key, default, description) for every leaf field: the `--help-config` table. A
+    section that is off by default (model.lora, log.wandb, ...) is listed with its own keys."""
     rows = []
     for name, field in kind.model_fields.items():
         key = f"{prefix}{name}"
@@ -244,7 +253,17 @@ def describe(kind: type[BaseModel], prefix: str = "") -> list[tuple[str, str, st
             continue
         default = "(required)" if field.is_required() else repr(field.get_default(call_default_factory=True))
         rows.append((key, default, field.description or ""))
+        section = _optional_section(ann)
+        if section is not None:  # its keys, e.g. model.lora.r: set them as model.lora={r: 8, ...}
+            rows.extend((k, d, f"{desc} (inside {key})") for k, d, desc in describe(section, key + "."))
     return rows
+
+
+def _optional_section(ann) -> type[BaseModel] | None:
+    """The section class of a `Section | None` field, else None."""
+    args = getattr(ann, "__args__", ())
+    models = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+    return models[0] if len(models) == 1 and type(None) in args else None
 
 
 def read_by(key: str) -> str:

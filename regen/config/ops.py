@@ -61,8 +61,10 @@ class WandbSettings(Section):
     project: str = Field(description="W&B project the run is logged into.")
     entity: str | None = Field(None, description="W&B team or user; null = the default entity of the API key.")
     name: str | None = Field(None, description="Run name shown in W&B; null = the run directory's name.")
-    mode: Literal["online", "offline"] = Field("online", description="'online' needs WANDB_API_KEY in the "
-                                               "environment; 'offline' writes RUN_DIR/wandb/ only (`wandb sync`).")
+    mode: Literal["online", "offline", "disabled"] | None = Field(
+        None, description="'online' needs WANDB_API_KEY in the environment; 'offline' writes RUN_DIR/wandb/ only "
+        "(`wandb sync`); null = $WANDB_MODE when it is set, else online."
+    )
     tags: list[str] = Field(default_factory=list, description="Tags of the W&B run.")
 
 
@@ -90,6 +92,10 @@ class LogConfig(Section):
         "auto", description="'auto': a live bar on a terminal, a line every log.every steps otherwise."
     )
     every: int = Field(10, ge=1, description="Steps between printed lines when the bar is off.")
+    every_s: float = Field(
+        30.0, gt=0.0, description="Without a terminal (CI, nohup, a captured log): also print a line when this many "
+        "seconds have passed since the last one, so a slow stretch is never silent."
+    )
     wandb: WandbSettings | None = Field(None, description="Also log to Weights & Biases (pip install 'regen[wandb]'): "
                                         "{project, entity, name, mode: online|offline, tags}: the config (secrets "
                                         "redacted), every metrics row; a resume continues the W&B run. null = off.")

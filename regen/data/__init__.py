@@ -85,7 +85,9 @@ def _parse_row(line: str, path: str, n: int, required: tuple[str, ...]) -> dict:
         raise DataError(f"{path} line {n}: expected a JSON object, got {type(row).__name__}")
     for key in required:
         if not isinstance(row.get(key), str):
-            raise DataError(f"{path} line {n}: field '{key}' missing or not a string")
+            example = json.dumps({k: "..." for k in required})
+            raise DataError(f"{path} line {n}: field '{key}' missing or not a string (each row here needs "
+                            f"{', '.join(repr(k) for k in required)}: {example}, plus any fields of your own)")
     return row
 
 

@@ -98,7 +98,7 @@ def train_dpo(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
     before = evaluate_all(0) if step0 == 0 else {}
     if before:
         log.log(0, before)
-    with StepProgress(t.steps, step0, cfg.log.progress, cfg.log.every, "dpo") as bar, \
+    with StepProgress(t.steps, step0, cfg.log.progress, cfg.log.every, "dpo", cfg.log.every_s) as bar, \
             GracefulStop(bar.print) as stop:
         if before:
             bar.print(f"held-out before training: {fmt_eval(before)}")

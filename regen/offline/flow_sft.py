@@ -71,7 +71,7 @@ def sft_flow(cfg: SFTConfig, resume: bool = False) -> dict:
         return {}
 
     policy.train(True)
-    with StepProgress(s.steps, start_step, cfg.log.progress, cfg.log.every, "sft") as bar, \
+    with StepProgress(s.steps, start_step, cfg.log.progress, cfg.log.every, "sft", cfg.log.every_s) as bar, \
             GracefulStop(bar.print) as stop:
         t_start = time.perf_counter()
         step = start_step

@@ -71,7 +71,7 @@ def sft(cfg: SFTConfig, resume: bool = False) -> dict:
         return ckpt.save_offline(run_dir, step, policy, opt, data, cfg.checkpoint.keep_last)
 
     policy.model.train()
-    with StepProgress(s.steps, start_step, cfg.log.progress, cfg.log.every, "sft") as bar, \
+    with StepProgress(s.steps, start_step, cfg.log.progress, cfg.log.every, "sft", cfg.log.every_s) as bar, \
             GracefulStop(bar.print) as stop:
         t_start = time.perf_counter()
         step = start_step

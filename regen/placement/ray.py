@@ -47,8 +47,13 @@ def start_ray(cfg) -> None:
     else:
         cpus = d.rollout_workers * d.rollout_resources.get("num_cpus", 1) + \
             d.reward_workers * d.reward_resources.get("num_cpus", 1)
+        from regen.rewards.base import USER_PATHS
+
+        # the actors import the user's reward modules from where the trainer does
+        path = os.pathsep.join([*USER_PATHS, os.environ.get("PYTHONPATH", "")]).strip(os.pathsep)
         ray.init(num_cpus=max(int(cpus + 0.999), os.cpu_count() or 1), include_dashboard=False, namespace="regen",
-                 log_to_driver=False, configure_logging=False)
+                 log_to_driver=False, configure_logging=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": path}} if path else None)
     have, need = ray.cluster_resources(), {}
     for count, res in ((d.rollout_workers, d.rollout_resources), (d.reward_workers, d.reward_resources)):
         for k, v in res.items():

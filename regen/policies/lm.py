@@ -336,8 +336,11 @@ def apply_lora(model, lora_cfg, adapter_dir: Path | None = None):
         raise UserError("model.lora needs peft: pip install 'regen[lora]'") from None
     if adapter_dir is not None:
         return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=True)
+    # GPT-2's Conv1D stores its weight transposed: peft needs fan_in_fan_out for it (and would
+    # otherwise set it itself, with a warning on every run)
+    conv1d = any(type(m).__name__ == "Conv1D" for m in model.modules())
     cfg = LoraConfig(r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
-                     target_modules=lora_cfg.target_modules, task_type="CAUSAL_LM")
+                     target_modules=lora_cfg.target_modules, task_type="CAUSAL_LM", fan_in_fan_out=conv1d)
     try:
         return get_peft_model(model, cfg)
     except ValueError as e:

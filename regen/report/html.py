@@ -122,8 +122,8 @@ def render(runs: list[Run], now: float | None = None) -> str:
         parts.append(f'<div class="plots">{"".join(figures)}</div>')
     else:
         parts.append('<p class="note">No metrics to plot yet.</p>')
-    if timelines:
-        parts.append(f'<div class="timelines">{timelines}</div>')
+    if timelines:  # in the charts' grid: the same width, so the same font size as the charts above
+        parts.append(f'<div class="plots timelines">{timelines}</div>')
     parts.append("</section>")
 
     lengths = "".join(length_figure(run, multi) for run in runs)
@@ -167,6 +167,11 @@ def _card(run: Run, state, i: int, multi: bool, now: float) -> str:
     rows = [_fact("state", "state", f"<b>{escape(state.label)}</b>: {escape(state.detail)}")]
     model = run.cfg("model", "path") or run.cfg("model", "init")
     rows.append(_fact("model", "model", escape(str(model)) if model else "unknown (no config.yaml)"))
+    lora = run.cfg("model", "lora")
+    if isinstance(lora, dict):
+        rows.append(_fact("lora", "LoRA adapter", escape(f"r {lora.get('r')}, alpha {lora.get('alpha')}"
+                                                         + (f", on {', '.join(lora['target_modules'])}"
+                                                            if lora.get("target_modules") else ""))))
     algo = run.kind if run.config is not None else "unknown"
     if run.cfg("algorithm", "advantage") and run.kind not in ("sft", "dpo"):
         algo += f" (advantage {run.cfg('algorithm', 'advantage')})"

@@ -84,12 +84,18 @@ def charts_for(runs: list[Run]) -> list[Chart]:
         Chart("lr", "learning rate", ["lr"]),
     ]
     charts += [Chart(f"eval-{k}", k, [k], points=True) for k in sorted(k for k in keys if k.startswith("eval/"))]
-    return [c for c in charts if any(k in keys for k in c.keys)]
+    flat = _flat(runs)
+    return [c for c in charts if any(k in keys and k not in flat for k in c.keys)]
+
+
+def _flat(runs: list[Run]) -> set[str]:
+    """A run without a KL term logs kl = 0 at every step: no chart (folded or not) of nothing."""
+    return {k for k in ("kl",) if all(v == 0 for run in runs for _, v in run.series(k))}
 
 
 def other_keys(runs: list[Run], charts: list[Chart]) -> list[str]:
     """Numeric metrics no chart shows (algorithm extras such as ratio_mean, grad_norm)."""
-    used = {k for c in charts for k in c.keys} | {c.band for c in charts if c.band}
+    used = {k for c in charts for k in c.keys} | {c.band for c in charts if c.band} | _flat(runs)
     keys = set().union(*(run.keys() for run in runs))
     return sorted(k for k in keys if k not in used and not k.startswith("time/"))
 

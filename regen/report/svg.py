@@ -55,7 +55,7 @@ def nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
 
 
 def _pad(lo: float, hi: float) -> tuple[float, float]:
-    if hi <= lo:  # a flat series still gets a visible band around it
+    if hi - lo <= 1e-9 * max(abs(lo), abs(hi), 1e-30):  # flat (to rounding): a visible band around it
         d = abs(lo) * 0.1 or 1.0
         return lo - d, hi + d
     d = (hi - lo) * 0.05
@@ -84,7 +84,11 @@ class Frame:
             out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{TOP}" y2="{self.h - BOTTOM}" stroke="#eee"/>')
             out.append(f'<text x="{x:.1f}" y="{self.h - BOTTOM + 13}" text-anchor="middle">{fmt_num(t)}</text>')
         if y_ticks:
+            shown = set()
             for t in nice_ticks(self.y0, self.y1, 5):
+                if fmt_num(t) in shown:  # ticks closer than the label's digits: one label each
+                    continue
+                shown.add(fmt_num(t))
                 y = self.py(t)
                 out.append(f'<line x1="{LEFT}" x2="{W - RIGHT}" y1="{y:.1f}" y2="{y:.1f}" stroke="#eee"/>')
                 out.append(f'<text x="{LEFT - 4}" y="{y + 4:.1f}" text-anchor="end">{fmt_num(t)}</text>')

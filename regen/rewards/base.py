@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +50,37 @@ def register(name: str, version: str = "1", kind: str = "scalar", factory: bool 
 
 def version_of(fn) -> str:
     return str(getattr(fn, "reward_version", None) or getattr(fn, "version", None) or "unversioned")
+
+
+# Folders the user's own modules are imported from, besides sys.path as Python set it up: the
+# current directory and the config file's folder (regen/cli/main.py); Ray actors get them too.
+USER_PATHS: list[str] = []
+
+
+def add_user_path(folder) -> None:
+    path = str(folder)
+    if path not in USER_PATHS:
+        USER_PATHS.append(path)
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+
+def describe_reward(name: str, fn) -> tuple[str, str, str]:
+    """(name, what it computes: the first paragraph of its doc, arguments with their defaults)
+    for `regen rewards`."""
+    import inspect
+
+    doc = inspect.getdoc(fn) or ""
+    summary = " ".join(doc.split("\n\n")[0].split())
+    target = fn.__init__ if inspect.isclass(fn) else fn
+    try:
+        params = list(inspect.signature(target).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    skip = {"self", "samples"}
+    args = [p.name + ("" if p.default is inspect.Parameter.empty else f"={p.default!r}")
+            for p in params if p.name not in skip and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    return name, summary, ", ".join(args)
 
 
 def resolve(name: str, where: str = "reward") -> RewardFn:

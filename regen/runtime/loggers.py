@@ -17,6 +17,7 @@ import json
 import os
 import queue
 import re
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -44,6 +45,8 @@ class Sink(Protocol):
 
     def close(self) -> None: ...
 
+    def discard(self) -> None: ...  # undo a start (another tracker could not start)
+
 
 def require(log_cfg: Any) -> None:
     """Import the package of every tracker that is turned on, or stop now, before the run
@@ -69,15 +72,16 @@ def open_sinks(run_dir: Path, log_cfg: Any, config: Any, resume: bool) -> list[S
     saved = read_state(run_dir) if resume else {}
     sinks: list[Sink] = []
     state = dict(saved)  # a tracker turned off for this stretch keeps its id for a later resume
-    for key, kind in (("wandb", WandbSink), ("mlflow", MlflowSink)):
+    # MLflow first: it fails on a wrong server before W&B has written anything
+    for key, kind in (("mlflow", MlflowSink), ("wandb", WandbSink)):
         settings = getattr(log_cfg, key)
         if settings is None:
             continue
         try:
             sink = kind(run_dir, settings, tree, saved.get(key))
         except Exception as e:  # each library raises its own types; all mean "cannot start"
-            for s in sinks:
-                _close_quietly(s)
+            for s in sinks:  # one failing leaves nothing of the others behind
+                s.discard()
             raise UserError(f"log.{key}: cannot start the {key} run: {scrub_message(e, 600)}") from None
         sinks.append(sink)
         state[key] = sink.state
@@ -181,7 +185,21 @@ class WandbSink:
         import wandb
 
         where = {} if os.environ.get("WANDB_DIR") else {"dir": str(run_dir)}  # RUN_DIR/wandb/ by default
+        self.resumed = bool((saved or {}).get("id"))
+        local = run_dir / "wandb"
+        before = set(local.iterdir()) if local.is_dir() else set()
+        try:
+            self._init(wandb, cfg, run_dir, tree, saved, where)
+        except Exception:
+            # a start that failed (a server that does not answer) leaves no folder of its own behind
+            for p in (set(local.iterdir()) if local.is_dir() else set()) - before:
+                p.unlink() if p.is_symlink() or p.is_file() else shutil.rmtree(p, ignore_errors=True)
+            raise
+        self.state = {"id": self.run.id, "project": cfg.project}
+
+    def _init(self, wandb, cfg: Any, run_dir: Path, tree: dict, saved: dict | None, where: dict) -> None:
         self.run = wandb.init(
+            # mode None: W&B reads $WANDB_MODE (a variable the user set wins over a default they did not)
             project=cfg.project, entity=cfg.entity, name=cfg.name or run_dir.resolve().name, mode=cfg.mode,
             tags=list(cfg.tags) or None, id=(saved or {}).get("id"), resume="allow", reinit="create_new",
             settings=wandb.Settings(console="off"),  # our progress bar owns the console; no stdout capture
@@ -193,13 +211,23 @@ class WandbSink:
         # checkpoint, which W&B's monotonic step would drop
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
-        self.state = {"id": self.run.id, "project": cfg.project}
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log({**metrics, "step": step})
 
     def close(self) -> None:
         self.run.finish()
+
+    def discard(self) -> None:
+        """Undo a start that another tracker's failure makes pointless: finish the run and remove
+        the local folder a new run wrote (an online run's server side stays)."""
+        folder = Path(self.run.dir).parent if getattr(self.run, "dir", None) else None
+        _close_quietly(self)
+        if folder is not None and not self.resumed and folder.name.startswith(("offline-run-", "run-")):
+            shutil.rmtree(folder, ignore_errors=True)
+            latest = folder.parent / "latest-run"
+            if latest.is_symlink():
+                latest.unlink()
 
 
 class MlflowSink:
@@ -218,6 +246,7 @@ class MlflowSink:
                 self.client.update_run(run.info.run_id, status="RUNNING")
             except MlflowException:  # another server or a deleted run: start a new one
                 run = None
+        self.resumed = run is not None
         if run is None:
             exp = self.client.get_experiment_by_name(cfg.experiment)
             exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(cfg.experiment)
@@ -239,6 +268,16 @@ class MlflowSink:
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
+
+    def discard(self) -> None:
+        """Undo a start that another tracker's failure makes pointless: a new run is deleted."""
+        try:
+            if self.resumed:
+                self.client.set_terminated(self.run_id, status="KILLED")
+            else:
+                self.client.delete_run(self.run_id)
+        except Exception:
+            pass  # already reporting the error that made us undo it
 
 
 def _mlflow_key(key: str) -> str:

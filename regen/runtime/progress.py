@@ -11,12 +11,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 
 class StepProgress:
-    def __init__(self, total: int, start: int, mode: str, every: int, label: str):
+    def __init__(self, total: int, start: int, mode: str, every: int, label: str, every_s: float = 30.0):
+        """lines mode: a line every `every` steps, and whenever `every_s` seconds passed since the last."""
         self.console = Console(stderr=True)
         if mode == "auto":
             mode = "bar" if self.console.is_terminal else "lines"
-        self.mode, self.every, self.total, self.label = mode, every, total, label
+        self.mode, self.every, self.total, self.label, self.every_s = mode, every, total, label, every_s
         self._t0, self._start = time.perf_counter(), start
+        self._last = self._t0
         self._bar = None
         if mode == "bar":
             self._bar = Progress(
@@ -43,11 +45,16 @@ class StepProgress:
     def update(self, step: int, info: str) -> None:
         if self._bar is not None:
             self._bar.update(self._task, completed=step, info=info)
-        elif self.mode == "lines" and (step % self.every == 0 or step == self.total):
-            done = step - self._start
-            elapsed = time.perf_counter() - self._t0
-            eta = elapsed / max(done, 1) * (self.total - step)
+        elif self.mode == "lines":
+            now = time.perf_counter()
+            if step % self.every and step != self.total and now - self._last < self.every_s:
+                return
+            self._last = now
+            eta = (now - self._t0) / max(step - self._start, 1) * (self.total - step)
             print(f"[{self.label}] step {step}/{self.total} {info} eta {eta:.0f}s", file=sys.stderr, flush=True)
 
     def print(self, msg: str) -> None:
-        self.console.print(msg, highlight=False) if self._bar is not None else print(msg, file=sys.stderr, flush=True)
+        if self._bar is not None:  # as written: "[reward_missing]" is text, not rich markup
+            self.console.print(msg, highlight=False, markup=False)
+        else:
+            print(msg, file=sys.stderr, flush=True)
