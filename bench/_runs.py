@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -21,6 +22,26 @@ def regen(*args: str) -> float:
     if done.returncode:
         sys.exit(f"regen {' '.join(args)} failed:\n{done.stderr[-3000:]}")
     return time.perf_counter() - t0
+
+
+def load_avg() -> float:
+    """The 1-min load average: a timing is worth something only on an otherwise idle machine."""
+    return round(os.getloadavg()[0], 2)
+
+
+def git_describe() -> str:
+    git = ["git", "describe", "--always", "--dirty"]
+    return subprocess.run(git, check=False, cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+
+def spread(values: list) -> dict | None:
+    """{"n", "mean", "std" (sample, n-1; 0 for one value), "min", "max"} of the values that are
+    not None; None when there are none."""
+    v = [x for x in values if x is not None]
+    if not v:
+        return None
+    return {"n": len(v), "mean": statistics.fmean(v), "std": statistics.stdev(v) if len(v) > 1 else 0.0,
+            "min": min(v), "max": max(v)}
 
 
 def eval_points(metrics: Path, keys: list[str]) -> dict:

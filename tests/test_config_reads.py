@@ -86,6 +86,8 @@ EXACT = "reward=[{name: exact_match}]"  # the weak base is mostly wrong: many gr
 TIED = "reward=[{name: 'tests.reward_fixtures:bright_or_not'}]"  # ties within groups (dynamic sampling)
 LM_EVAL = ["data.eval=builtin:arithmetic:test", "eval.num_prompts=8"]
 FLOW_EVAL = ["data.eval=builtin:shapes:test", "eval.num_prompts=2"]
+GOOD = "reward=[{name: binary, args: {of: brightness, threshold: 0.0, args: {target: 0.6}}}]"  # every label 1
+JUDGED = "reward=[{name: pairwise, args: {of: 'tests.test_dgpo:brightness_judge'}}]"
 
 # (method, settings the key needs to be read, key=value)
 CASES = [
@@ -135,6 +137,12 @@ CASES = [
     ("awm", (), "flow.awm_weight=t"), ("awm", (), "algorithm.kl_coef=0.5"),
     ("awm", ("algorithm.kl_coef=0.5",), "flow.ema_rate=0.5"),
     ("awm", ("algorithm.kl_coef=0.5", "flow.ema_rate=0.5"), "flow.ema_max=0.0001"),
+    ("nft", (), "flow.solver=heun"), ("awm", (), "flow.solver=heun"), ("dgpo", (), "flow.solver=heun"),
+    ("nft", (GOOD,), "algorithm.reward_type=binary"), ("dgpo", (JUDGED,), "algorithm.reward_type=pairwise"),
+    ("dgpo", (), "flow.dgpo_beta=1.0"), ("dgpo", (), "flow.dgpo_ref=base"), ("dgpo", (), "algorithm.kl_coef=0.5"),
+    ("dgpo", ("train.ppo_epochs=2", "optim.lr=1e-3"), "algorithm.clip_low=0.000001"),
+    ("dgpo", ("train.ppo_epochs=2", "optim.lr=1e-3", "algorithm.clip_low=0.5"), "algorithm.clip_high=0.000001"),
+    ("dgpo", (), "flow.ema_rate=0.5"), ("dgpo", ("flow.ema_rate=0.5",), "flow.ema_max=0.0001"),
 ]
 
 

@@ -59,7 +59,7 @@ def test_nft_checkpoints_its_ema_and_resumes_exactly(flow_base, tmp_path):
     assert w.keys() == e.keys() and any(not torch.equal(w[k], e[k]) for k in w)
 
 
-@pytest.mark.parametrize("algo", ["nft", "awm"])
+@pytest.mark.parametrize("algo", ["nft", "awm", "dgpo"])
 def test_ode_methods_raise_the_reward(flow_base, tmp_path, algo):
     run = tmp_path / algo
     assert rl(run, flow_base, algo, "train.steps=16", "optim.lr=1e-3", "rollout.global_batch_size=16") == 0

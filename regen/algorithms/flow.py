@@ -1,4 +1,5 @@
-"""RL objectives for flow-matching image/video models: Flow-GRPO, Flow-DPPO, DiffusionNFT, AWM.
+"""RL objectives for flow-matching image/video models: Flow-GRPO, Flow-DPPO, DiffusionNFT, AWM (DGPO:
+regen/algorithms/flow_preference.py).
 
 Conventions (shared with the samplers): x_sigma = (1 - sigma) * x0 + sigma * eps, sigma = 1 is
 noise and sigma = 0 data, velocity v = eps - x0. An SDE rollout gives per-step log-probs (B, S)

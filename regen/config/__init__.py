@@ -113,13 +113,21 @@ class RolloutConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    name: Literal["grpo", "ppo", "gspo", "dpo", "flow_grpo", "flow_dppo", "nft", "awm"] = Field(
+    name: Literal["grpo", "ppo", "gspo", "dpo", "flow_grpo", "flow_dppo", "nft", "awm", "dgpo"] = Field(
         "grpo", description="Policy loss: 'grpo' (token-level clipped ratio; with clip_high 0.28 and overlong, DAPO), "
         "'ppo' (the same clipped loss on per-token GAE advantages from a learned critic, see the critic section), "
         "'gspo' (sequence-level length-normalised ratio, Zheng 2025; clip ranges 3e-4 / 4e-4 by default), or 'dpo' "
         "(offline, on preference pairs from data.train; train.global_minibatch_size pairs per step). Flow models "
         "(see the flow section): 'flow_grpo' (clipped ratio over SDE steps), 'flow_dppo' (KL trust region over SDE "
-        "steps), 'nft' (DiffusionNFT on ODE samples), 'awm' (advantage-weighted flow matching on ODE samples)."
+        "steps), 'nft' (DiffusionNFT on ODE samples), 'awm' (advantage-weighted flow matching on ODE samples), "
+        "'dgpo' (DGPO: group preferences learned from ODE samples, Luo et al. 2025)."
+    )
+    reward_type: Literal["scalar", "binary", "pairwise"] = Field(
+        "scalar", description="nft / dgpo: the form of the total reward. 'scalar': group-normalised advantages. "
+        "'binary': good (1) / bad (0) labels used as they are (NFT's optimality r = the label; DGPO's positive and "
+        "negative sets). 'pairwise': each sample's win rate against its group from pairwise 1 / 0.5 / 0 labels (the "
+        "`pairwise` reward) used as r (NFT) or as the preference direction 2 * (w - 0.5) (DGPO); held-out "
+        "evaluation then scores the win rate against the starting model's samples on the same prompts and noise."
     )
     dpo_beta: float = Field(0.1, gt=0.0, description="DPO/IPO beta.")
     dpo_label_smoothing: float = Field(0.0, ge=0.0, lt=0.5, description="DPO conservative label smoothing.")
@@ -146,11 +154,13 @@ class AlgorithmConfig(Section):
     reinforce_baseline: bool = Field(False, description="REINFORCE++: subtract the group mean before whitening.")
     clip_low: float | None = Field(
         None, gt=0.0, lt=1.0, description="Ratio clip below: 1 - clip_low. null = the method's default: 0.2 (grpo, "
-        "ppo), 3e-4 (gspo: a sequence-level ratio), 1e-3 (flow_grpo: a ratio per SDE step; FINDINGS.md)."
+        "ppo), 3e-4 (gspo: a sequence-level ratio), 1e-3 (flow_grpo: a ratio per SDE step; FINDINGS.md). dgpo: the "
+        "PPO-style clip on exp(l_old - l_theta) against its EMA old policy (the public code's clip_range, "
+        "1e-5 .. 1e-2); null = off."
     )
     clip_high: float | None = Field(
         None, gt=0.0, description="Ratio clip above: 1 + clip_high (0.28 = DAPO clip-higher). null = the method's "
-        "default: 0.2 (grpo, ppo), 4e-4 (gspo), 1e-3 (flow_grpo)."
+        "default: 0.2 (grpo, ppo), 4e-4 (gspo), 1e-3 (flow_grpo); dgpo: clip_low when null."
     )
     dual_clip: float | None = Field(
         None, gt=1.0, description="Dual-clip constant c for negative advantages (Ye 2020; 3.0 is usual); null = off."
@@ -160,7 +170,7 @@ class AlgorithmConfig(Section):
         0.0, ge=0.0, description="Weight of the KL term; 0 loads no reference model. Language models: KL to the "
         "starting model (kl_estimator, kl_placement). flow_grpo: the exact Gaussian KL of each SDE step to the "
         "starting model. awm: the velocity-space KL to an EMA of the policy (decay from flow.ema_rate / ema_max; "
-        "Flow-Factory recommends 0.1)."
+        "Flow-Factory recommends 0.1). dgpo: the velocity-space KL to the starting model (public code: 1e-3)."
     )
     kl_estimator: Literal["k1", "k2", "k3"] = Field(
         "k3", description="Language models: Schulman's KL estimator used in the loss (with kl_coef > 0)."
@@ -277,6 +287,8 @@ class RLConfig(Section):
         low, high = CLIP_DEFAULTS.get(a.name, (None, None))
         a.clip_low = low if a.clip_low is None else a.clip_low
         a.clip_high = high if a.clip_high is None else a.clip_high
+        if a.name == "dgpo" and a.clip_high is None:
+            a.clip_high = a.clip_low
         if (a.name == "ppo") != (a.advantage == "gae"):
             raise ValueError(f"algorithm.name={a.name} with algorithm.advantage={a.advantage}: the critic's GAE "
                              "advantages and algorithm.name=ppo go together")
@@ -306,6 +318,16 @@ class RLConfig(Section):
         if not self.reward:
             raise ValueError("reward: at least one reward term is needed")
         f = self.flow
+        stochastic = a.name in ("flow_grpo", "flow_dppo")
+        if f.sampler is None:
+            f.sampler = "sde" if stochastic else "ode"
+        elif self.modality == "flow" and stochastic == (f.sampler == "ode"):
+            raise ValueError(f"flow.sampler={f.sampler} with algorithm.name={a.name}: " + (
+                "it trains on stochastic steps, so flow.sampler must be sde or cps" if stochastic else
+                "it trains on clean ODE samples (no stochastic steps), so flow.sampler must be ode"))
+        if a.name == "dgpo" and t.global_minibatch_size % r.group_size:
+            raise ValueError(f"train.global_minibatch_size={t.global_minibatch_size} must hold whole groups of "
+                             f"rollout.group_size={r.group_size} for dgpo (its weight is one per group)")
         if f.sde_window is not None and f.window_start + f.sde_window > f.steps:
             raise ValueError(f"flow.sde_window={f.sde_window} from flow.window_start={f.window_start} does not fit "
                              f"in flow.steps={f.steps}")

@@ -13,7 +13,7 @@ from regen.config.base import Section
 # algorithm.name -> the modality it trains ("lm": causal language models, "flow": flow-matching
 # image / video models); dpo is offline (no sampling). regen/config/reads.py says which keys each reads.
 METHODS = {"grpo": "lm", "ppo": "lm", "gspo": "lm", "dpo": "lm", "flow_grpo": "flow", "flow_dppo": "flow",
-           "nft": "flow", "awm": "flow"}
+           "nft": "flow", "awm": "flow", "dgpo": "flow"}
 # algorithm.clip_low / clip_high when left null: PPO's 0.2 (Schulman 2017); GSPO's sequence-level ratio
 # is a geometric mean, so its paper uses 3e-4 / 4e-4 (Zheng 2025, sec. 5.1); Flow-GRPO's per-step ratio
 # clips at 1e-4 in the paper, 1e-3 learned twice as fast here (FINDINGS.md).
@@ -46,8 +46,14 @@ class FlowConfig(Section):
     steps: int = Field(10, ge=1, description="Sampling steps of a training rollout.")
     eval_steps: int = Field(20, ge=1, description="Euler ODE steps when sampling for evaluation.")
     shift: float = Field(1.0, gt=0.0, description="SD3 time shift of the sigma grid (1 = linear).")
-    sampler: Literal["sde", "cps"] = Field(
-        "sde", description="Stochastic step of flow_grpo / flow_dppo: Flow-GRPO's SDE or coefficients-preserving (CPS)."
+    sampler: Literal["ode", "sde", "cps"] | None = Field(
+        None, description="How training rollouts sample: 'ode' (deterministic; nft, awm, dgpo) or, for flow_grpo / "
+        "flow_dppo, the stochastic step: Flow-GRPO's 'sde' or coefficients-preserving 'cps'. null = sde for "
+        "flow_grpo / flow_dppo, ode for the others."
+    )
+    solver: Literal["euler", "heun"] = Field(
+        "euler", description="ODE solver of the training rollouts of nft / awm / dgpo: 'euler' (one velocity per "
+        "step) or 'heun' (second order, two per step but the last: fewer steps for the same accuracy)."
     )
     noise_level: float = Field(0.7, ge=0.0, description="SDE noise level a (CPS: eta in [0, 1]).")
     sde_window: int | None = Field(
@@ -72,6 +78,15 @@ class FlowConfig(Section):
         "held-out evaluation and export/ use it (Flow-GRPO keeps one for its evaluations). null = off."
     )
     awm_weight: Literal["uniform", "t", "t**2"] = Field("uniform", description="AWM loss weight w(t).")
+    dgpo_beta: float = Field(
+        2000.0, gt=0.0, description="DGPO's beta_dpo: how sharply a group's weight sigmoid(beta / G * sum A (l - l_ref)) "
+        "falls once its preference is learned. Public recipes: 10-100 with the frozen reference, 2000-5000 with the "
+        "EMA reference."
+    )
+    dgpo_ref: Literal["ema", "base"] = Field(
+        "ema", description="DGPO's reference policy: 'ema' (an EMA of the policy, decay min(flow.ema_rate * step, "
+        "flow.ema_max); the public code's CFG-free recipe) or 'base' (the frozen starting model)."
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -109,6 +124,8 @@ def migrate(tree: dict) -> dict:
         algo["kl_coef"] = old["awm_kl_coef"]
     if METHODS.get(name) == "flow":
         algo["std_normalize"] = "batch" if old.get("global_std") else "group"
+    if METHODS.get(name) == "flow" and name not in ("flow_grpo", "flow_dppo") and flow.get("sampler") in ("sde", "cps"):
+        flow.pop("sampler")  # the stochastic step an ODE method never took: today flow.sampler=ode
     if isinstance(algo.get("std_normalize"), bool):
         algo["std_normalize"] = "group" if algo["std_normalize"] else "none"
     return tree

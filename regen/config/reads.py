@@ -77,9 +77,9 @@ LM = [
            "algorithm.reinforce_baseline"),
 ]
 FLOW = _always("flow.steps", "flow.eval_steps", "flow.shift", "flow.guidance", "flow.weight_ema", "flow.adv_clip",
-               "algorithm.std_normalize", "train.gradient_checkpointing")
+               "algorithm.std_normalize", "train.gradient_checkpointing", "flow.sampler")
 SDE = [  # the methods trained on stochastic (SDE) sampling steps
-    *_always("flow.sampler", "flow.noise_level", "flow.sde_window"),
+    *_always("flow.noise_level", "flow.sde_window"),
     *_when("with flow.sde_window set", lambda c: c.flow.sde_window is not None, "flow.window_policy",
            "flow.window_start"),
     *_when("with flow.window_policy=moving", lambda c: c.flow.sde_window is not None
@@ -101,10 +101,16 @@ OWN: dict[str, list[Read]] = {
                      "eval", "rollout.temperature", "rollout.top_p", "rollout.max_new_tokens", "checkpoint", "log")],
     "flow_grpo": [*SDE, *_always("algorithm.clip_low", "algorithm.clip_high", "algorithm.kl_coef")],
     "flow_dppo": [*SDE, *_always("flow.dppo_tau")],
-    "nft": _always("flow.nft_beta", "flow.ema_rate", "flow.ema_max"),
-    "awm": [*_always("flow.awm_weight", "algorithm.kl_coef"),
+    "nft": _always("flow.nft_beta", "flow.ema_rate", "flow.ema_max", "flow.solver", "algorithm.reward_type"),
+    "awm": [*_always("flow.awm_weight", "algorithm.kl_coef", "flow.solver"),
             *_when("with algorithm.kl_coef > 0 (the EMA anchor)", lambda c: c.algorithm.kl_coef > 0, "flow.ema_rate",
                    "flow.ema_max")],
+    "dgpo": [*_always("flow.dgpo_beta", "flow.dgpo_ref", "algorithm.kl_coef", "algorithm.clip_low", "flow.solver",
+                      "algorithm.reward_type"),
+             *_when("with algorithm.clip_low set", lambda c: c.algorithm.clip_low is not None, "algorithm.clip_high"),
+             *_when("with flow.dgpo_ref=ema or algorithm.clip_low set (the EMA old policy)",
+                    lambda c: c.flow.dgpo_ref == "ema" or c.algorithm.clip_low is not None, "flow.ema_rate",
+                    "flow.ema_max")],
 }
 
 # Why a key is not read where that is not obvious from who reads it.
@@ -115,7 +121,8 @@ WHY = {
     "algorithm.kl_estimator": "flow_grpo's KL is the exact Gaussian KL of each SDE step, awm's a velocity distance",
     "algorithm.advantage": "flow methods use Flow-GRPO's group advantage (algorithm.std_normalize, flow.adv_clip)",
     "flow.noise_level": "the ODE methods sample without noise",
-    "flow.sampler": "the ODE methods sample without noise",
+    "flow.solver": "flow_grpo / flow_dppo take Euler steps between their stochastic ones",
+    "algorithm.reward_type": "policy-gradient methods normalise any reward within its group",
     "task.demo_noise": "corrupted demonstrations are for `regen sft`; RL prompts carry the true answers",
 }
 

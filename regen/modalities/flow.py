@@ -1,5 +1,5 @@
 """Flow-matching image and video models behind the modality protocol (regen/modalities/base.py):
-Flow-GRPO, Flow-DPPO, DiffusionNFT and AWM.
+Flow-GRPO, Flow-DPPO, DiffusionNFT, AWM and DGPO.
 
 What a flow method trains on differs in kind from a token sequence, which is why the work of
 each stage differs while the loop does not:
@@ -7,10 +7,11 @@ each stage differs while the loop does not:
              rest ODE), noise drawn up front for the whole batch so any slice samples its rows
   fixed      per-step methods (flow_grpo, flow_dppo): the behaviour policy's log-probs and
              Gaussian means of each SDE step and the reference's means (for the KL)
-  advantage  Flow-GRPO's group advantage, clipped (std per group, per batch, or none)
+  advantage  Flow-GRPO's group advantage, clipped (std per group, per batch, or none); nft and
+             dgpo take binary labels and pairwise win rates as they are (algorithm.reward_type)
   update     flow_grpo / flow_dppo: the clipped ratio / KL trust region over re-scored SDE
-             transitions (T = steps); nft / awm: clean samples pushed back through the forward
-             process at a random t, no likelihood at all
+             transitions (T = steps); nft / awm / dgpo: clean samples pushed back through the
+             forward process at a random t, no likelihood at all (dgpo: one t and noise per group)
 The math is in regen/algorithms/flow.py, the model in regen/policies/flow.py.
 """
 
@@ -34,7 +35,9 @@ from regen.algorithms.flow import (
     nft_loss,
     nft_optimality,
 )
+from regen.algorithms.flow_preference import binary_advantages, pairwise_advantages
 from regen.algorithms.losses import batch_denominators
+from regen.errors import ConfigError
 from regen.modalities.base import Advantages, Modality
 from regen.modalities.flow_copies import (  # noqa: F401  (build_policy: re-exported)
     build_policy,
@@ -43,6 +46,7 @@ from regen.modalities.flow_copies import (  # noqa: F401  (build_policy: re-expo
     reload_copy,
     trained_pairs,
 )
+from regen.modalities.flow_dgpo import dgpo_micro_loss, dgpo_weights
 from regen.modalities.flow_media import save_media
 from regen.policies.flow import FlowPolicy, FlowSample, draw_noise
 from regen.policies.flow_lora import BaseView, merged, save_adapter, swapped, trainable_state
@@ -102,6 +106,7 @@ class FlowMinibatch:
     fixed: dict
     denoms: dict
     noise: tuple | None  # the ODE methods' (t (M,), eps (M, *x)), drawn for the whole minibatch
+    weights: torch.Tensor | None = None  # dgpo: each row's group weight, when micro-batches split groups
 
 
 class FlowModality(Modality):
@@ -116,16 +121,20 @@ class FlowModality(Modality):
         folder = None if state is None else state["folder"]
         self.policy = build_policy(cfg, device, None if state is None or sampler_only else state["model_dir"])
         self.ref = self.ema = self.weight_ema = None
+        self._base_samples: list[Sample] | None = None  # reward_type=pairwise: the starting model's held-out samples
         if sampler_only:
             self.policy.unet.eval()
             return
-        if a.name == "flow_grpo" and a.kl_coef > 0:  # the run's starting model, also after a resume
+        needs_base = (a.name == "flow_grpo" and a.kl_coef > 0) or (a.name == "dgpo" and (a.kl_coef > 0
+                                                                                          or f.dgpo_ref == "base"))
+        if needs_base:  # the run's starting model, also after a resume
             if cfg.model.lora is not None:
                 self.ref = BaseView(self.policy.unet)  # the base is the network with its adapter off: no copy
             else:
                 start = self.policy if state is None else build_policy(cfg, device)
                 self.ref = copy.deepcopy(start.unet).eval().requires_grad_(False)
-        slow = a.name == "nft" or (a.name == "awm" and a.kl_coef > 0)
+        slow = a.name == "nft" or (a.name == "awm" and a.kl_coef > 0) or (
+            a.name == "dgpo" and (f.dgpo_ref == "ema" or a.clip_low is not None))
         self.ema = frozen_copy(self.policy.unet, folder, NFT_OLD, alerts) if slow else None
         self.weight_ema = frozen_copy(self.policy.unet, folder, WEIGHT_EMA, alerts) if f.weight_ema is not None \
             else None
@@ -139,6 +148,8 @@ class FlowModality(Modality):
                     if isinstance(net, torch.nn.Module):
                         dist.wrap(net, trainable=False)
         self.per_step = a.name in PER_STEP
+        if a.name == "dgpo":  # minibatches of whole groups: the weight is the group's
+            self.unit = cfg.rollout.group_size
         self.single_pass = cfg.train.ppo_epochs == 1 and cfg.train.global_minibatch_size == \
             cfg.rollout.global_batch_size
 
@@ -175,7 +186,7 @@ class FlowModality(Modality):
         f = self.cfg.flow
         return self.policy.rollout(prompts, n, plan.noise(), f.steps, plan.sde, f.noise_level, f.sampler, f.shift,
                                    f.guidance, keep_states=bool(plan.sde.any()),
-                                   keep_means=behaviour and bool(plan.sde.any()))
+                                   keep_means=behaviour and bool(plan.sde.any()), solver=f.solver)
 
     def concat(self, parts: list[FlowSample]) -> FlowSample:
         return FlowSample.concat([p.to(self.device) for p in parts])
@@ -223,8 +234,16 @@ class FlowModality(Modality):
 
     def advantages(self, rewards: torch.Tensor, batch: FlowSample, fixed: dict) -> Advantages:
         c = self.cfg
-        adv, valid, m = flow_group_advantages(rewards, c.rollout.group_size, c.algorithm.std_normalize,
-                                              c.flow.adv_clip)
+        a = c.algorithm
+        adv, valid, m = flow_group_advantages(rewards, c.rollout.group_size, a.std_normalize, c.flow.adv_clip)
+        if a.reward_type != "scalar":  # labels used as they are, not normalised as if they were scalars
+            try:
+                adv, valid = (binary_advantages(rewards, c.rollout.group_size) if a.reward_type == "binary"
+                              else pairwise_advantages(rewards))
+            except ValueError as e:  # the reward terms do not give labels of that form
+                raise ConfigError(f"{e} (reward: {', '.join(t.name for t in c.reward)})") from None
+            if a.name == "nft":  # r = the label / the win rate: nft_optimality(C * (2r - 1), C) == r
+                adv = c.flow.adv_clip * (2.0 * torch.where(valid, rewards, 0.5) - 1.0)
         adv, valid = adv.to(self.device), valid.to(self.device)
         mask = (batch.sde.to(self.device)[None, :] & valid[:, None]).float() if self.per_step \
             else valid[:, None].float()
@@ -235,9 +254,19 @@ class FlowModality(Modality):
     def minibatch(self, batch: FlowSample, idx, adv: Advantages, fixed: dict, gen) -> FlowMinibatch:
         # the ODE methods' point of the forward process for each sample, drawn for the whole
         # minibatch so that micro-batching (and the rank split) never changes it
-        noise = None if self.per_step else (torch.rand(len(idx), generator=gen),
-                                            torch.randn((len(idx), *batch.x0.shape[1:]), generator=gen))
-        return FlowMinibatch(batch, idx, adv, fixed, batch_denominators(adv.mask[idx]), noise)
+        if self.per_step:
+            noise = None
+        elif self.cfg.algorithm.name == "dgpo":  # one t and noise per group: its members compare at one point
+            G = self.unit
+            t = torch.rand(len(idx) // G, generator=gen).repeat_interleave(G)
+            noise = (t, torch.randn((len(idx) // G, *batch.x0.shape[1:]), generator=gen).repeat_interleave(G, 0))
+        else:
+            noise = (torch.rand(len(idx), generator=gen), torch.randn((len(idx), *batch.x0.shape[1:]), generator=gen))
+        mini = FlowMinibatch(batch, idx, adv, fixed, batch_denominators(adv.mask[idx]), noise)
+        micro = self.cfg.train.micro_batch_size
+        if self.cfg.algorithm.name == "dgpo" and (self.dist.on or (micro or len(idx)) < len(idx)):
+            mini.weights = dgpo_weights(self, mini)  # micro-batches or ranks split the groups: weigh them first
+        return mini
 
     def micro_loss(self, mini: FlowMinibatch, pos: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """(loss, metrics) of the minibatch rows at positions `pos` for the configured method."""
@@ -270,6 +299,8 @@ class FlowModality(Modality):
                 v_old = self.policy.velocity(xt, t, cond, unet=self.ema)
             r = nft_optimality(adv, f.adv_clip, valid)
             return nft_loss(v, v_old, x0, xt, t, r, f.nft_beta, denoms=mini.denoms)
+        if a.name == "dgpo":
+            return dgpo_micro_loss(self, mini, pos, v, x0, xt, eps, t, cond)
         weight = None if f.awm_weight == "uniform" else f.awm_weight
         anchor = None
         if self.ema is not None:  # kl_coef > 0: the EMA anchor's velocity at the same point
@@ -343,7 +374,16 @@ class FlowModality(Modality):
             out = self.policy.sample_ode([it.prompt for it in items], e.samples_per_prompt, gen, f.eval_steps, f.shift,
                                          f.guidance)
         samples = to_samples(self.policy, out, items, e.samples_per_prompt)
-        total, parts = reward(samples)
+        if self.cfg.algorithm.reward_type == "pairwise":
+            # a win rate within the held-out groups is 1/2 by symmetry: judge each sample against the
+            # starting model's on the same prompt and noise instead (1/2 at step 0, then the win rate)
+            base = self._base_eval(items, samples, step)
+            pairs = [Sample(s.prompt, s.completion, {**s.meta, "pair": i}, s.finished, s.media)
+                     for i, both in enumerate(zip(samples, base)) for s in both]
+            total, parts = reward(pairs)
+            total, parts = total[0::2], {k: v[0::2] for k, v in parts.items()}
+        else:
+            total, parts = reward(samples)
         metrics = {"eval/reward": nanmean(total), **{f"eval/{k}": nanmean(v) for k, v in parts.items()}}
         if all("colour" in it.meta for it in items):  # the built-in shapes: did it draw what was asked?
             from regen.rewards.adherence import AdherenceAccuracy
@@ -353,6 +393,22 @@ class FlowModality(Modality):
         if self.dist.main:
             save_media(run_dir, step, out, total, policy=self.policy)
         return metrics
+
+
+    def _base_eval(self, items, samples: list[Sample], step: int) -> list[Sample]:
+        """The starting model's held-out samples (same prompts and noise): this evaluation's own at
+        step 0, else sampled once from the starting model (after a resume)."""
+        if self._base_samples is None:
+            if step == 0:
+                self._base_samples = samples
+            else:
+                e, f = self.cfg.eval, self.cfg.flow
+                base = build_policy(self.cfg, self.device)
+                gen = torch.Generator().manual_seed(self.cfg.run.seed + EVAL_SEED_OFFSET)
+                out = base.sample_ode([it.prompt for it in items], e.samples_per_prompt, gen, f.eval_steps, f.shift,
+                                      f.guidance)
+                self._base_samples = to_samples(base, out, items, e.samples_per_prompt)
+        return self._base_samples
 
 
 def to_samples(policy: FlowPolicy, batch: FlowSample, items, n: int) -> list[Sample]:

@@ -245,7 +245,7 @@ class FlowPolicy:
     @torch.no_grad()
     def rollout(self, prompts: list[str], n: int, noise, steps: int, sde: torch.Tensor,
                 noise_level: float, sampler: str = "sde", shift: float = 1.0, guidance: float = 1.0,
-                keep_states: bool = True, keep_means: bool = False) -> FlowSample:
+                keep_states: bool = True, keep_means: bool = False, solver: str = "euler") -> FlowSample:
         """n samples per prompt; steps where `sde` (S,) is True are stochastic (Flow-GRPO SDE or
         CPS) and get a log-prob, the others are Euler ODE steps (log-prob 0). keep_states stores
         the trajectory, which the per-step losses re-score; keep_means the Gaussian mean of each
@@ -253,8 +253,8 @@ class FlowPolicy:
         noise: (x_T (B, *sample_shape), [eps (B, *sample_shape) for each SDE step, None for the
         others]) for these rows, from `FlowPlan` (regen/modalities/flow.py: drawn for the whole
         batch and sliced, so a row's sample does not depend on which process drew it), or a
-        torch.Generator to draw them from here."""
-        from regen.samplers.flow import cps_step, euler_step, sde_step, sigma_schedule
+        torch.Generator to draw them from here. solver: the ODE steps' Euler or Heun step."""
+        from regen.samplers.flow import cps_step, euler_step, heun_step, sde_step, sigma_schedule
 
         prompts = [p for p in prompts for _ in range(n)]
         B = len(prompts)
@@ -273,6 +273,9 @@ class FlowPolicy:
                        else cps_step(x, v, sig[i], sig[i + 1], noise_level, noise=e))
                 x, logps[:, i] = out.next, out.log_prob.cpu()
                 means[i] = out.mean if keep_means else None
+            elif solver == "heun":
+                x = heun_step(x, v, lambda y, s: self.guided_velocity(y, torch.full((B,), float(s), device=self.device),
+                                                                     cond, null, guidance), sig[i], sig[i + 1])
             else:
                 x = euler_step(x, v, sig[i], sig[i + 1])
             if keep_states:

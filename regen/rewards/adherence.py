@@ -298,3 +298,23 @@ class AdherenceAccuracy(_Classifier):
 
     def __call__(self, samples: list[Sample]) -> list[float | None]:
         return [None if p is None else float(all(v > 0.5 for v in p.values())) for p in self.probs(samples)]
+
+
+@register("adherence_judge", version=VERSION, kind="pairwise", factory=True)
+class AdherenceJudge(_Classifier):
+    """A pairwise judge for the built-in shapes: compares two images (videos) of the same prompt and
+    says which the adherence classifier finds closer to it: 1.0 when the first is, 0.0 when the second
+    is, 0.5 when their `adherence` differs by no more than `tie` (0.02). Use it under `pairwise`
+    ({name: pairwise, args: {of: adherence_judge}}) with algorithm.reward_type=pairwise; it stands for
+    a judge model shown two samples. Other args as `adherence`."""
+
+    def __init__(self, tie: float = 0.02, steps: int = 300, seed: int = 0, cache: str | None = None):
+        super().__init__(steps, seed, cache)
+        self.tie = float(tie)
+
+    def __call__(self, first: list[Sample], second: list[Sample]) -> list[float | None]:
+        probs = self.probs([*first, *second])
+        score = [None if p is None else sum(p.values()) / len(p) for p in probs]
+        a, b = score[: len(first)], score[len(first):]
+        return [None if x is None or y is None else 1.0 if x - y > self.tie else 0.0 if y - x > self.tie else 0.5
+                for x, y in zip(a, b)]

@@ -32,8 +32,9 @@ def register(name: str, version: str = "1", kind: str = "scalar", factory: bool 
 
     version: reported by the reward service and stored in checkpoints; bump it when the
         scoring changes so a resumed run can warn that its rewards are not comparable.
-    kind: "scalar" (any float) or "binary" (1.0 good / 0.0 bad; the service also returns it
-        as an integer label).
+    kind: "scalar" (any float), "binary" (1.0 good / 0.0 bad; the service also returns it
+        as an integer label) or "pairwise" (a judge called with two lists of samples, returning
+        1.0 / 0.0 / 0.5 per pair: used through the `pairwise` reward).
     factory: the object is called once with the config's `args` and returns the scoring
         callable (for rewards with state, e.g. a client holding connections and a cache).
     """
@@ -120,6 +121,9 @@ class CombinedReward:
         terms = []
         for i, t in enumerate(reward_cfg):
             fn, args = resolve(t.name, where=f"reward.{i}.name"), dict(t.args)
+            if getattr(fn, "reward_kind", "scalar") == "pairwise":
+                raise ConfigError(f"reward.{i}.name: '{t.name}' is a pairwise judge (it compares two samples); use it "
+                                  f"as {{name: pairwise, args: {{of: {t.name}}}}}")
             if getattr(fn, "reward_factory", False):
                 try:
                     fn, args = fn(**args), {}

@@ -203,11 +203,15 @@ def pairwise_preferences(scores_a: Sequence[float | None], scores_b: Sequence[fl
 
 def groups(samples: list[Sample]) -> list[range]:
     """Runs of consecutive samples with the same prompt: how the loop lays out the n samples
-    of each prompt (sample i belongs to prompt i // n)."""
+    of each prompt (sample i belongs to prompt i // n). A "pair" key in Sample.meta splits
+    further (held-out evaluation pairs each sample with the starting model's on its own)."""
+    def key(s: Sample):
+        return s.prompt, s.meta.get("pair") if isinstance(s.meta, dict) else None
+
     out: list[range] = []
     start = 0
     for i in range(1, len(samples) + 1):
-        if i == len(samples) or samples[i].prompt != samples[start].prompt:
+        if i == len(samples) or key(samples[i]) != key(samples[start]):
             out.append(range(start, i))
             start = i
     return out
@@ -215,23 +219,28 @@ def groups(samples: list[Sample]) -> list[range]:
 
 @register("pairwise", version="1", factory=True)
 class Pairwise:
-    """Win rate in [0, 1] of each sample against the others of its group under another reward.
+    """Win rate in [0, 1] of each sample against the others of its group, from pairwise labels.
 
-    args: of (reward name), args (its args), tie (score difference that counts as a tie).
-    Group = consecutive samples with the same prompt. A sample's score is the mean of
-    pairwise_preferences against every other scored member (win 1, tie 0.5, loss 0), so only
-    the ranking inside the group matters, not the scale of the inner reward. Missing: a sample
-    whose inner score is missing or that has no scored opponent. The score depends on the
+    args: of (a reward name), args (its args), tie (score difference that counts as a tie).
+    `of` is either a judge that compares two samples (registered with kind="pairwise", called as
+    judge(samples_a, samples_b, **args) -> 1.0 when a is better, 0.0 when b is, 0.5 for a tie,
+    None when it cannot say; every pair of a group is judged once, b against a is 1 - label) or
+    any scalar reward, whose scores are compared (pairwise_preferences). Group = consecutive
+    samples with the same prompt. A sample's score is the mean of its labels against every
+    other member it was compared with (win 1, tie 0.5, loss 0), so only the ranking inside the
+    group matters, not the scale of a scalar. Missing: a sample with no labelled comparison. The score depends on the
     whole batch: behind the reward service, keep the result cache off (the default) and send
     whole groups in one request.
     """
 
     def __init__(self, of: str, args: dict | None = None, tie: float = 0.0):
         self.fn, self.args = _inner(of, args, "pairwise.of")
-        self.tie = float(tie)
+        self.tie, self.of = float(tie), of
         self.reward_version = f"1({of}={version_of(self.fn)})"
 
     def __call__(self, samples: list[Sample]) -> list[float | None]:
+        if getattr(self.fn, "reward_kind", "scalar") == "pairwise":
+            return self._judged(samples)
         scores = [None if v is None or math.isnan(v) else float(v) for v in self.fn(samples, **self.args)]
         out: list[float | None] = [None] * len(samples)
         for g in groups(samples):
@@ -242,3 +251,20 @@ class Pairwise:
                     prefs = pairwise_preferences([scores[i]] * len(others), others, self.tie)
                     out[i] = sum(p for p in prefs if p is not None) / len(others)
         return out
+
+    def _judged(self, samples: list[Sample]) -> list[float | None]:
+        pairs = [(i, j) for g in groups(samples) for i in g for j in g if i < j]
+        labels = list(self.fn([samples[i] for i, _ in pairs], [samples[j] for _, j in pairs], **self.args)) \
+            if pairs else []
+        if len(labels) != len(pairs):
+            raise ValueError(f"pairwise judge '{self.of}' returned {len(labels)} labels for {len(pairs)} pairs")
+        won: list[list[float]] = [[] for _ in samples]
+        for (i, j), p in zip(pairs, labels):
+            if p is None or math.isnan(p):
+                continue
+            if p not in (0.0, 0.5, 1.0):
+                raise ValueError(f"pairwise judge '{self.of}' returned {p!r}: labels are 1 (first better), "
+                                 "0 (second better), 0.5 (tie) or None")
+            won[i].append(float(p))
+            won[j].append(1.0 - float(p))
+        return [sum(w) / len(w) if w else None for w in won]

@@ -31,6 +31,7 @@ from pydantic import TypeAdapter, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from regen import __version__
+from regen.errors import ConfigError
 from regen.rewards.base import Sample, resolve, version_of
 from regen.rewards.protocol import SampleIn, ScoreRequest, ScoreResponse, decode_media, media_pixels
 
@@ -105,6 +106,9 @@ def create_app(cfg: ServerConfig) -> FastAPI:
     fns = {}
     for name in cfg.rewards:
         fn = resolve(name, where="--reward")
+        if getattr(fn, "reward_kind", "scalar") == "pairwise":
+            raise ConfigError(f"--reward {name}: a pairwise judge compares two samples, which /score does not "
+                              f"send; serve the 'pairwise' reward with of={name} instead (ServerConfig.args)")
         if getattr(fn, "reward_factory", False):
             fn = fn(**cfg.args.get(name, {}))
         fns[name] = fn
