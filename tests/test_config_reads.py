@@ -137,7 +137,7 @@ CASES = [
     ("awm", (), "flow.awm_weight=t"), ("awm", (), "algorithm.kl_coef=0.5"),
     ("awm", ("algorithm.kl_coef=0.5",), "flow.ema_rate=0.5"),
     ("awm", ("algorithm.kl_coef=0.5", "flow.ema_rate=0.5"), "flow.ema_max=0.0001"),
-    ("nft", (), "flow.solver=heun"), ("awm", (), "flow.solver=heun"), ("dgpo", (), "flow.solver=heun"),
+    ("nft", (), "flow.solver=heun"),
     ("nft", (GOOD,), "algorithm.reward_type=binary"), ("dgpo", (JUDGED,), "algorithm.reward_type=pairwise"),
     ("dgpo", (), "flow.dgpo_beta=1.0"), ("dgpo", (), "flow.dgpo_ref=base"), ("dgpo", (), "algorithm.kl_coef=0.5"),
     ("dgpo", ("train.ppo_epochs=2", "optim.lr=1e-3"), "algorithm.clip_low=0.000001"),
@@ -153,6 +153,8 @@ def _group(method: str, key: str):
     shared = {"lm": R.LM, "flow": R.FLOW}[modality] if method != "dpo" else R.LM
     if method in ("flow_grpo", "flow_dppo") and any(key == r.key for r in R.SDE):
         return "sde"
+    if method in ("nft", "awm", "dgpo") and any(key == r.key for r in R.ODE):
+        return "ode"  # one rollout path for the three
     if any(key == r.key or key.startswith(r.key + ".") for r in [*shared, *R.ONLINE]) and \
             key not in LOSS_KEYS:
         return modality

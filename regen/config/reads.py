@@ -86,6 +86,8 @@ SDE = [  # the methods trained on stochastic (SDE) sampling steps
            and c.flow.window_policy == "moving", "flow.window_shift_every"),
 ]
 
+ODE = _always("flow.solver")  # the methods trained on clean ODE samples: their rollouts' solver
+
 # Each method: the keys it reads beyond those above.
 OWN: dict[str, list[Read]] = {
     "grpo": _always("algorithm.dual_clip", "algorithm.loss_agg"),
@@ -101,12 +103,12 @@ OWN: dict[str, list[Read]] = {
                      "eval", "rollout.temperature", "rollout.top_p", "rollout.max_new_tokens", "checkpoint", "log")],
     "flow_grpo": [*SDE, *_always("algorithm.clip_low", "algorithm.clip_high", "algorithm.kl_coef")],
     "flow_dppo": [*SDE, *_always("flow.dppo_tau")],
-    "nft": _always("flow.nft_beta", "flow.ema_rate", "flow.ema_max", "flow.solver", "algorithm.reward_type"),
-    "awm": [*_always("flow.awm_weight", "algorithm.kl_coef", "flow.solver"),
+    "nft": [*ODE, *_always("flow.nft_beta", "flow.ema_rate", "flow.ema_max", "algorithm.reward_type")],
+    "awm": [*ODE, *_always("flow.awm_weight", "algorithm.kl_coef"),
             *_when("with algorithm.kl_coef > 0 (the EMA anchor)", lambda c: c.algorithm.kl_coef > 0, "flow.ema_rate",
                    "flow.ema_max")],
-    "dgpo": [*_always("flow.dgpo_beta", "flow.dgpo_ref", "algorithm.kl_coef", "algorithm.clip_low", "flow.solver",
-                      "algorithm.reward_type"),
+    "dgpo": [*ODE, *_always("flow.dgpo_beta", "flow.dgpo_ref", "algorithm.kl_coef", "algorithm.clip_low",
+                            "algorithm.reward_type"),
              *_when("with algorithm.clip_low set", lambda c: c.algorithm.clip_low is not None, "algorithm.clip_high"),
              *_when("with flow.dgpo_ref=ema or algorithm.clip_low set (the EMA old policy)",
                     lambda c: c.flow.dgpo_ref == "ema" or c.algorithm.clip_low is not None, "flow.ema_rate",
