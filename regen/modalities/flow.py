@@ -4,7 +4,7 @@ Flow-GRPO, Flow-DPPO, DiffusionNFT, AWM and DGPO.
 What a flow method trains on differs in kind from a token sequence, which is why the work of
 each stage differs while the loop does not:
   sample     n images (videos) per prompt: SDE steps where a per-step method trains on them (the
-             rest ODE), noise drawn up front for the whole batch so any slice samples its rows
+             rest ODE), noise drawn up front for the whole batch (regen/modalities/flow_plan.py)
   fixed      per-step methods (flow_grpo, flow_dppo): the behaviour policy's log-probs and
              Gaussian means of each SDE step and the reference's means (for the KL)
   advantage  Flow-GRPO's group advantage, clipped (std per group, per batch, or none); nft and
@@ -12,13 +12,12 @@ each stage differs while the loop does not:
   update     flow_grpo / flow_dppo: the clipped ratio / KL trust region over re-scored SDE
              transitions (T = steps); nft / awm / dgpo: clean samples pushed back through the
              forward process at a random t, no likelihood at all (dgpo: one t and noise per group)
-The math is in regen/algorithms/flow.py, the model in regen/policies/flow.py.
-"""
+The math: regen/algorithms/flow.py and flow_preference.py; the model: regen/policies/flow.py."""
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -48,7 +47,8 @@ from regen.modalities.flow_copies import (  # noqa: F401  (build_policy: re-expo
 )
 from regen.modalities.flow_dgpo import dgpo_micro_loss, dgpo_weights
 from regen.modalities.flow_media import save_media
-from regen.policies.flow import FlowPolicy, FlowSample, draw_noise
+from regen.modalities.flow_plan import FlowPlan
+from regen.policies.flow import FlowPolicy, FlowSample
 from regen.policies.flow_lora import BaseView, merged, save_adapter, swapped, trainable_state
 from regen.rewards import Sample
 from regen.runtime.dist import Dist
@@ -58,44 +58,6 @@ from regen.samplers.flow import sde_steps, window_start
 PER_STEP = ("flow_grpo", "flow_dppo")  # trained on re-scored SDE transitions
 NFT_OLD, WEIGHT_EMA = "nft_old.safetensors", "weight_ema.safetensors"  # in each checkpoint
 EVAL_SEED_OFFSET = 7919  # held-out samples draw from their own stream: before/after on equal noise
-
-
-@dataclass
-class FlowPlan:
-    """The randomness of one step's sampling, for the whole batch: which steps are SDE steps,
-    and the noise (x_T, then one tensor per SDE step) drawn in that order from the run's
-    generator. A share of the batch takes its rows (select). Shipped to a rollout actor, only
-    the generator state travels and the actor draws the same tensors again (cheap to send)."""
-
-    sde: torch.Tensor  # (S,) bool
-    state: torch.Tensor  # the generator's state before the draws
-    total: int  # rows of the whole batch
-    shape: tuple
-    rows: torch.Tensor | None = None  # this share's rows; None = all
-    drawn: tuple | None = field(default=None, repr=False)  # (x_T, [eps]) of the whole batch
-
-    @classmethod
-    def draw(cls, gen: torch.Generator, sde: torch.Tensor, total: int, shape: tuple) -> FlowPlan:
-        state = gen.get_state()
-        return cls(sde, state, total, tuple(shape), None, draw_noise(gen, total, shape, sde))
-
-    def select(self, rows: torch.Tensor) -> FlowPlan:
-        return replace(self, rows=rows if self.rows is None else self.rows[rows])
-
-    def cpu(self) -> FlowPlan:
-        return self  # drawn on the CPU
-
-    def noise(self) -> tuple:
-        if self.drawn is None:
-            gen = torch.Generator().manual_seed(0)
-            gen.set_state(self.state)
-            self.drawn = draw_noise(gen, self.total, self.shape, self.sde)
-        x, eps = self.drawn
-        pick = (lambda t: t) if self.rows is None else (lambda t: t[self.rows])  # noqa: E731
-        return pick(x), [None if e is None else pick(e) for e in eps]
-
-    def __getstate__(self):  # to a rollout actor: the state, not the tensors
-        return {**self.__dict__, "drawn": None}
 
 
 @dataclass
