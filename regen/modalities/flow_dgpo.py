@@ -15,10 +15,15 @@ import torch
 from regen.algorithms.flow_preference import dgpo_group_weights, dgpo_loss
 
 
+def fm_loss(v, x0, eps) -> torch.Tensor:
+    """(B,): each sample's flow-matching loss, mean over elements of (v - (eps - x0))^2."""
+    return (v.float() - (eps - x0).float()).pow(2).flatten(1).mean(1)
+
+
 def flow_matching_loss(m, x0, xt, eps, t, cond, unet) -> tuple[torch.Tensor, torch.Tensor]:
     """(l (B,), v): each sample's flow-matching loss at (x_t, t) under `unet` (None = the policy)."""
     v = m.policy.velocity(xt, t, cond, unet=unet)
-    return (v.float() - (eps - x0).float()).pow(2).flatten(1).mean(1), v
+    return fm_loss(v, x0, eps), v
 
 
 def dgpo_micro_loss(m, mini, pos, v, x0, xt, eps, t, cond) -> tuple[torch.Tensor, dict]:
@@ -26,11 +31,14 @@ def dgpo_micro_loss(m, mini, pos, v, x0, xt, eps, t, cond) -> tuple[torch.Tensor
     a, f = m.cfg.algorithm, m.cfg.flow
     rows = mini.idx[pos]
     adv, valid = mini.adv.adv[rows], mini.adv.valid[rows]
-    fm = (v.float() - (eps - x0).float()).pow(2).flatten(1).mean(1)
-    with torch.no_grad():
-        old = flow_matching_loss(m, x0, xt, eps, t, cond, m.ema)[0] if m.ema is not None else None
-        ref_fm, v_ref = flow_matching_loss(m, x0, xt, eps, t, cond, m.ref) if m.ref is not None else (None, None)
-    if mini.weights is not None:
+    fm = fm_loss(v, x0, eps)
+    inline = mini.weights is None  # the weights come from this forward: the reference's loss is needed here
+    with torch.no_grad():  # only the forwards something reads: the old policy for the clip, the base for the KL
+        need_old = a.clip_low is not None or (inline and f.dgpo_ref == "ema")
+        need_ref = a.kl_coef > 0 or (inline and f.dgpo_ref == "base")
+        old = flow_matching_loss(m, x0, xt, eps, t, cond, m.ema)[0] if need_old else None
+        ref_fm, v_ref = flow_matching_loss(m, x0, xt, eps, t, cond, m.ref) if need_ref else (None, None)
+    if not inline:
         w = mini.weights[pos]
     else:  # the micro-batch is the whole minibatch: its groups are whole
         w = dgpo_group_weights(fm, old if f.dgpo_ref == "ema" else ref_fm, adv, m.unit, f.dgpo_beta, valid)
