@@ -199,8 +199,10 @@ class WandbSink:
 
     def _init(self, wandb, cfg: Any, run_dir: Path, tree: dict, saved: dict | None, where: dict) -> None:
         self.run = wandb.init(
-            # mode None: W&B reads $WANDB_MODE (a variable the user set wins over a default they did not)
-            project=cfg.project, entity=cfg.entity, name=cfg.name or run_dir.resolve().name, mode=cfg.mode,
+            # mode None: $WANDB_MODE (a variable the user set wins over a default they did not), read here and
+            # now: W&B reads its variables once per process, so a second run in one process would miss a change
+            project=cfg.project, entity=cfg.entity, name=cfg.name or run_dir.resolve().name,
+            mode=cfg.mode or os.environ.get("WANDB_MODE") or None,
             tags=list(cfg.tags) or None, id=(saved or {}).get("id"), resume="allow", reinit="create_new",
             settings=wandb.Settings(console="off"),  # our progress bar owns the console; no stdout capture
             **where,
