@@ -128,3 +128,16 @@ def nan_at_steps(monkeypatch, steps) -> None:
     from tests.faults import nan_update
 
     monkeypatch.setattr(loop, "update", nan_update(loop.update, steps))
+
+
+@pytest.fixture
+def offline(tmp_path, monkeypatch):
+    """Trackers write only under tmp_path and never reach a network."""
+    for name in ("WANDB_DIR", "WANDB_API_KEY", "WANDB_MODE", "MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / "wandb-home" / name.lower()))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    # MLflow 3 refuses its file store unless asked (the full package brings sqlite instead)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    return f"file://{tmp_path / 'mlruns'}"

@@ -57,17 +57,7 @@ def test_each_verb_says_which_rows_it_needs(base_model, tmp_path):
     assert '"completion"' in helped and '"chosen"' in helped and "Sample.meta" in helped
 
 
-@pytest.fixture
-def trackers_offline(tmp_path, monkeypatch):
-    for name in ("WANDB_DIR", "WANDB_API_KEY", "WANDB_MODE", "MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_TOKEN"):
-        monkeypatch.delenv(name, raising=False)
-    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
-        monkeypatch.setenv(name, str(tmp_path / "wandb-home" / name.lower()))
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-
-
-def test_wandb_mode_from_the_environment_and_a_failed_tracker_leaves_nothing(base_model, tmp_path, trackers_offline,
+def test_wandb_mode_from_the_environment_and_a_failed_tracker_leaves_nothing(base_model, tmp_path, offline,
                                                                              monkeypatch):
     pytest.importorskip("wandb")
     pytest.importorskip("mlflow")

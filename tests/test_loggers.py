@@ -34,19 +34,6 @@ RL = ["train", "model.init=arith-char-gpt2", "data.eval=null", "log.progress=non
       "reward=[{name: format, args: {pattern: '.*[02468]', require_eos: false}}]"]
 
 
-@pytest.fixture
-def offline(tmp_path, monkeypatch):
-    """Trackers write only under tmp_path and never reach a network."""
-    for name in ("WANDB_DIR", "WANDB_API_KEY", "WANDB_MODE", "MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_TOKEN"):
-        monkeypatch.delenv(name, raising=False)
-    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
-        monkeypatch.setenv(name, str(tmp_path / "wandb-home" / name.lower()))
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    # MLflow 3 refuses its file store unless asked (the full package brings sqlite instead)
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    return f"file://{tmp_path / 'mlruns'}"
-
-
 def trackers(uri: str) -> list[str]:
     return [f"log.mlflow={{tracking_uri: '{uri}', experiment: exp}}", "log.wandb={project: proj, mode: offline}"]
 
