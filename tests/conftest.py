@@ -141,3 +141,37 @@ def offline(tmp_path, monkeypatch):
     # MLflow 3 refuses its file store unless asked (the full package brings sqlite instead)
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     return f"file://{tmp_path / 'mlruns'}"
+
+
+def make_tiny_clip(folder: Path, seed: int = 0) -> Path:
+    """A random CLIPModel (2 layers, width 32, 32 px) with a character-level CLIP tokenizer and an
+    image processor, saved as a normal local folder: what eval.clip_model / clip:PATH read."""
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizer
+    from transformers.utils import logging
+
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for c in "abcdefghijklmnopqrstuvwxyz0123456789.,!?'":
+        vocab[c], vocab[c + "</w>"] = len(vocab), len(vocab) + 1
+    (folder / "vocab.json").write_text(json.dumps(vocab))
+    (folder / "merges.txt").write_text("#version: 0.2\n")  # no merges: one token per character
+    tok = CLIPTokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"))
+    layers = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}
+    cfg = CLIPConfig(text_config={**layers, "vocab_size": len(vocab), "max_position_embeddings": 77,
+                                  "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 1},
+                     vision_config={**layers, "image_size": 32, "patch_size": 8}, projection_dim=16)
+    torch.manual_seed(seed)
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        CLIPModel(cfg).save_pretrained(folder)
+        image = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+        CLIPProcessor(image_processor=image, tokenizer=tok).save_pretrained(folder)
+    finally:
+        logging.set_verbosity(verbosity)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_clip(tmp_path_factory) -> Path:
+    return make_tiny_clip(tmp_path_factory.mktemp("clip") / "clip")

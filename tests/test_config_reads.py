@@ -23,7 +23,7 @@ from regen.config import RLConfig, describe, load_config
 from regen.config import reads as R
 from regen.config.methods import METHODS
 from regen.errors import ConfigError
-from tests.conftest import BRIGHT, export_weights, read_jsonl
+from tests.conftest import BRIGHT, export_weights, make_tiny_clip, read_jsonl
 
 MODEL = {"lm": "model.init=arith-char-gpt2", "flow": "model.init=shapes-unet"}
 KEYS = [k for k, _, _ in describe(RLConfig)]
@@ -71,7 +71,8 @@ def test_every_key_is_read_by_the_method_or_refused_by_name(method):
 # --------------------------------------------------------------------------- 2. declared keys act
 
 IN_SCOPE = ("algorithm.", "flow.", "critic.", "rollout.temperature", "rollout.top_p", "rollout.max_new_tokens",
-            "eval.temperature", "eval.greedy", "task.", "train.gradient_checkpointing")
+            "eval.temperature", "eval.greedy", "task.", "train.gradient_checkpointing", "eval.metrics", "eval.gates",
+            "eval.metric_samples", "eval.reference", "eval.features", "eval.clip_model")
 # Keys that by design compute the same result (they trade memory or speed), each checked otherwise.
 SAME_BY_DESIGN = {
     "train.gradient_checkpointing": "recomputes activations in the backward pass: same gradients, less memory",
@@ -143,6 +144,13 @@ CASES = [
     ("dgpo", ("train.ppo_epochs=2", "optim.lr=1e-3"), "algorithm.clip_low=0.000001"),
     ("dgpo", ("train.ppo_epochs=2", "optim.lr=1e-3", "algorithm.clip_low=0.5"), "algorithm.clip_high=0.000001"),
     ("dgpo", (), "flow.ema_rate=0.5"), ("dgpo", ("flow.ema_rate=0.5",), "flow.ema_max=0.0001"),
+    ("grpo", LM_EVAL, "eval.metrics=[bleu4]"), ("grpo", (*LM_EVAL, "eval.metrics=[chrf]"), "eval.metric_samples=2"),
+    ("grpo", LM_EVAL, "eval.gates={accuracy: '>= 0.5'}"),
+    ("flow_grpo", FLOW_EVAL, "eval.metrics=[psnr]"), ("flow_grpo", FLOW_EVAL, "eval.gates={reward: '> 0'}"),
+    ("flow_grpo", (*FLOW_EVAL, "eval.metrics=[psnr]", "eval.samples_per_prompt=2"), "eval.metric_samples=2"),
+    ("flow_grpo", (*FLOW_EVAL, "eval.metrics=[psnr]"), "eval.reference=base"),
+    ("flow_grpo", (*FLOW_EVAL, "eval.metrics=[fid]"), "eval.features=clip:CLIP"),
+    ("flow_grpo", (*FLOW_EVAL, "eval.metrics=[clip_score]", "eval.clip_model=CLIP"), "eval.clip_model=CLIP2"),
 ]
 
 
@@ -206,7 +214,7 @@ def _differs(a: tuple, b: tuple) -> bool:
 
 
 @pytest.fixture(scope="module")
-def two_steps(base_model, flow_base, critic_folder, tmp_path_factory):
+def two_steps(base_model, flow_base, critic_folder, tiny_clip, tmp_path_factory):
     """run(method, settings) -> the fingerprint of two training steps, cached per settings."""
     cache: dict = {}
     root = tmp_path_factory.mktemp("reads")
@@ -230,7 +238,9 @@ def two_steps(base_model, flow_base, critic_folder, tmp_path_factory):
                      "rollout.group_size=2", "flow.steps=2", "flow.eval_steps=2", "optim.lr=1e-3", BRIGHT]
         if not any(s.startswith("data.eval") for s in settings):
             extra.append("data.eval=null")
-        settings_ = [s.replace("CRITIC", str(critic_folder)) for s in settings]
+        clip2 = make_tiny_clip(root / "clip2", seed=1) if not (root / "clip2").exists() else root / "clip2"
+        settings_ = [s.replace("CRITIC", str(critic_folder)).replace("CLIP2", str(clip2)).replace("CLIP", str(tiny_clip))
+                     for s in settings]
         assert main([*common, *extra, *settings_]) == 0, settings_
         cache[(method, settings)] = _fingerprint(folder)
         return cache[(method, settings)]

@@ -104,10 +104,7 @@ def _reward_args(given: list[str] | None, i: int) -> dict:
 
 def settings(args, cfg) -> tuple[dict[str, Any], list]:
     """(sampling settings, reward terms): flags, else the config's, else DEFAULTS."""
-    from regen.config import RewardTerm
-
     s = dict(DEFAULTS)
-    terms: list = []
     if cfg is not None:
         e, r = cfg.eval, cfg.rollout
         s |= {"num_prompts": e.num_prompts, "samples_per_prompt": e.samples_per_prompt,
@@ -117,25 +114,52 @@ def settings(args, cfg) -> tuple[dict[str, Any], list]:
         if cfg.data.eval is None and args.data is None:
             raise UserError("eval: the config has data.eval: null; pass --data with the held-out prompts")
         s["data"] = cfg.data.eval or s["data"]
-        terms = list(getattr(cfg, "reward", []))
     for flag in FLAGS:
         if getattr(args, flag) is not None:
             s[flag] = getattr(args, flag)
-    if args.reward_args and len(args.reward_args) > len(args.reward or []):
-        raise UserError("--reward-args: each one goes with the --reward before it (more --reward-args than --reward)")
-    if args.reward:  # rewards named on the command line replace the config's
-        terms = [RewardTerm(name=n, args=_reward_args(args.reward_args, i)) for i, n in enumerate(args.reward)]
     for flag in ("num_prompts", "samples_per_prompt", "max_new_tokens"):
         if s[flag] < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be at least 1")
     if s["temperature"] <= 0 or not 0 < s["top_p"] <= 1:
         raise UserError("--temperature must be > 0 and --top-p in (0, 1]")
+    return s, reward_terms(args, cfg)
+
+
+def reward_terms(args, cfg) -> list:
+    """The config's reward terms, or those named by --reward / --reward-args."""
+    from regen.config import RewardTerm
+
+    terms = list(getattr(cfg, "reward", [])) if cfg is not None else []
+    if args.reward_args and len(args.reward_args) > len(args.reward or []):
+        raise UserError("--reward-args: each one goes with the --reward before it (more --reward-args than --reward)")
+    if args.reward:  # rewards named on the command line replace the config's
+        terms = [RewardTerm(name=n, args=_reward_args(args.reward_args, i)) for i, n in enumerate(args.reward)]
     for i, t in enumerate(terms):  # config.yaml is written redacted: such an arg cannot be used
         for k, v in t.args.items():
             if v == "<redacted>":
                 raise UserError(f"eval: reward.{i}.args.{k} is redacted in the run's config.yaml; pass --config "
                                 "with the original file, or --reward")
-    return s, terms
+    return terms
+
+
+def eval_settings(args, cfg):
+    """The run's eval section (metrics, reference, features, gates) with the flags applied, validated."""
+    from pydantic import ValidationError
+
+    from regen.config import EvalConfig
+
+    e = cfg.eval.model_dump() if cfg is not None else {}
+    if args.metrics is not None:
+        e["metrics"] = [m.strip() for m in args.metrics.split(",") if m.strip()]
+    for flag in ("reference", "features", "clip_model", "metric_samples"):
+        if getattr(args, flag) is not None:
+            e[flag] = getattr(args, flag)
+    try:
+        return EvalConfig(**e)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        raise UserError(f"eval: {where}: {first['msg'].removeprefix('Value error, ')}") from None
 
 
 def load_policy(source: Source, task, seed: int, device: str):
@@ -181,6 +205,7 @@ def run(args) -> dict:
     from regen.config import TaskConfig
     from regen.data import load_prompts
     from regen.modalities.lm_eval import evaluate, evaluate_with_samples
+    from regen.quality import Quality, gates
     from regen.rewards import CombinedReward
 
     given = args.source or args.model
@@ -194,6 +219,17 @@ def run(args) -> dict:
         raise UserError(f"--config: '{args.config}' not found")
     has_config = config_path is not None and config_path.is_file()
     cfg = load_run_config(config_path, args.max_new_tokens) if has_config else None
+    e = eval_settings(args, cfg)
+    from regen.cli.eval_flow import is_flow_source, run_flow
+
+    if is_flow_source(source, cfg):
+        result = run_flow(args, source, cfg, config_path, reward_terms(args, cfg), e)
+        from regen.runtime.loggers import public_config
+
+        result["settings"]["rewards"] = public_config(result["settings"]["rewards"])
+        result["metrics"] = {k: _num(v) for k, v in result["metrics"].items()}
+        result["_default_out"] = source.run_dir / "eval" / f"eval_{source.label}.json" if source.run_dir else None
+        return result
     s, terms = settings(args, cfg)
     task = TaskConfig(digits=s["digits"], test_size=s["test_size"])
     extra = {"columns": s["columns"]} if s["columns"] else {}
@@ -205,8 +241,10 @@ def run(args) -> dict:
     n = 1 if args.greedy else s["samples_per_prompt"]
     common = {"top_p": s["top_p"], "max_new_tokens": s["max_new_tokens"], "batch_size": s["batch_size"],
               "seed": s["seed"]}
+    quality = Quality(e, "lm", s["seed"])
     metrics, rows = evaluate_with_samples(policy, items, temperature=s["temperature"], samples_per_prompt=n,
-                                          greedy=args.greedy, reward=reward, keep=len(items) * n, **common)
+                                          greedy=args.greedy, reward=reward, keep=len(items) * n, quality=quality,
+                                          **common)
     if reward is not None:
         for name, scores in reward.parts.items():
             finite = [x for x in scores if math.isfinite(x)]
@@ -217,11 +255,13 @@ def run(args) -> dict:
         greedy = evaluate(policy, items, temperature=1.0, greedy=True, **common)
         if "accuracy" in greedy:
             metrics["greedy_accuracy"] = greedy["accuracy"]
+    checked = gates.check(e.gates, {f"eval/{k}": v for k, v in metrics.items()})
+    metrics |= {k.removeprefix("eval/"): v for k, v in checked.items()}
     used = {"source": given, "model": str(source.model_dir), "checkpoint": source.label,
             "config": str(config_path) if cfg is not None else None, "data": s["data"], "num_prompts": len(items),
             "samples_per_prompt": n, "temperature": s["temperature"], "top_p": s["top_p"],
             "max_new_tokens": s["max_new_tokens"], "greedy": bool(args.greedy), "seed": s["seed"],
-            "rewards": [t.model_dump(mode="json") for t in terms]}
+            "rewards": [t.model_dump(mode="json") for t in terms], "metrics": list(e.metrics), "gates": dict(e.gates)}
     from regen.runtime.loggers import public_config  # rewards' args: no secret goes into the file
 
     used["rewards"] = public_config(used["rewards"])
@@ -236,7 +276,10 @@ def _num(v: float) -> float | None:
 def print_table(result: dict, show: int) -> None:
     s, m = result["settings"], result["metrics"]
     print(f"model   {s['model']}")
-    how = "greedy" if s["greedy"] else f"samples at temperature {s['temperature']:g}"
+    if "eval_steps" in s:  # a flow model
+        how = f"ODE samples ({s['eval_steps']} steps)"
+    else:
+        how = "greedy" if s["greedy"] else f"samples at temperature {s['temperature']:g}"
     print(f"data    {s['data']}: {s['num_prompts']} prompts x {s['samples_per_prompt']} {how}, seed {s['seed']}")
     first = [k for k in ("accuracy", "greedy_accuracy", "reward") if k in m]
     parts = sorted(k for k in m if k.startswith("reward/"))
@@ -251,7 +294,8 @@ def print_table(result: dict, show: int) -> None:
         for r in rows:
             reward = "  -  " if r.get("reward") is None else f"{r['reward']:.3f}"
             answer = f"  answer {json.dumps(r['answer'], ensure_ascii=False)}" if "answer" in r else ""
-            print(f"  reward {reward}  {_short(r['prompt'])} -> {_short(r['completion'])}{answer}")
+            shown = f" -> {_short(r['completion'])}" if "completion" in r else ""
+            print(f"  reward {reward}  {_short(r['prompt'])}{shown}{answer}")
 
 
 def _short(text: str, limit: int = 60) -> str:
@@ -272,6 +316,7 @@ def cmd_eval(args) -> int:
     result = run(args)
     default_out = result.pop("_default_out")
     out = Path(args.out) if args.out else default_out
+    media = result.pop("_media", None)
     if args.json:
         print(json.dumps(result, ensure_ascii=False))
     else:
@@ -279,4 +324,9 @@ def cmd_eval(args) -> int:
     if out is not None:
         write_json(result, out)
         print(f"wrote {out}", file=sys.stderr if args.json else sys.stdout)
+        if media is not None:
+            from regen.cli.eval_flow import write_grid
+
+            grid = write_grid(media, out)
+            print(f"wrote {grid}", file=sys.stderr if args.json else sys.stdout)
     return 0

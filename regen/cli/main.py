@@ -111,6 +111,22 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--out", metavar="FILE", help="Write the JSON result here (default: "
                     "RUN/eval/eval_<checkpoint>.json for a run or checkpoint; otherwise only printed).")
     ev.add_argument("--json", action="store_true", help="Print the JSON result instead of the table.")
+    q = ev.add_argument_group("quality metrics and gates (docs/evaluation.md)")
+    q.add_argument("--metrics", metavar="LIST", help="Comma-separated eval.metrics, replacing the config's: images/"
+                   "videos fid, kid, precision_recall, ssim, psnr, temporal_ssim, clip_score; text bleu4, chrf, "
+                   "exact_match, length.")
+    q.add_argument("--reference", "--ref", dest="reference", metavar="REF",
+                   help="What fid/kid/precision_recall/ssim/psnr compare with: shapes, base (the run's starting "
+                   "model), a folder of images, or hf:NAME[:SPLIT] (default: eval.reference, else shapes for the "
+                   "built-in shapes prompts).")
+    q.add_argument("--features", metavar="SPEC", help="Feature space of fid/kid/precision_recall: shapes, "
+                   "clip:PATH or inception:PATH (default: eval.features, else shapes). Nothing is downloaded.")
+    q.add_argument("--clip-model", metavar="DIR", help="Local CLIPModel folder for clip_score.")
+    q.add_argument("--metric-samples", type=int, metavar="N",
+                   help="Compute the metrics on the first N samples (default: all).")
+    ev.epilog = ("Flow models (a flow run, its checkpoints or export/) are sampled with the ODE on the run's held-out\n"
+                 "noise; a grid of the samples is written beside the JSON (.png, videos .gif). The config's\n"
+                 "eval.gates are checked and reported as gate/NAME and gates_passed.")
 
     ex = sub.add_parser(
         "export", help="Write a checkpoint as a Hugging Face model folder.",
@@ -121,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ex.add_argument("source", metavar="SOURCE", help="Run directory or checkpoints/step_NNNNNNNN folder.")
     ex.add_argument("--out", required=True, help="Destination folder (must not exist, or be empty).")
+    ex.add_argument("--require-gates", action="store_true",
+                    help="Refuse unless the run's evaluation at the checkpoint's step passed every eval.gates "
+                    "threshold (read from metrics.jsonl; names the failures and the newest checkpoint that passed).")
 
     add_serve_parser(sub)
 
@@ -309,6 +328,10 @@ def cmd_export(args) -> int:
                   f"healthy checkpoint, {healthy.name} (name a checkpoint folder to export another)", file=sys.stderr)
             folder = healthy
     ckpt.verify(folder)
+    if args.require_gates:
+        from regen.quality.gates import require
+
+        require(folder)
     if (folder / "model" / "adapter_config.json").is_file():  # a LoRA checkpoint: merge into its base
         try:
             from peft import AutoPeftModelForCausalLM

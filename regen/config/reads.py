@@ -38,6 +38,20 @@ def _torchrun(cfg) -> bool:
     return cfg.distributed.mode in ("auto", "torchrun")
 
 
+# Held-out quality metrics and gates (regen/quality): every method that evaluates reads them.
+QUALITY = [
+    *_always("eval.metrics", "eval.gates"),
+    *_when("with eval.metrics set", lambda c: bool(c.eval.metrics), "eval.metric_samples"),
+]
+MEDIA_QUALITY = [  # what the image / video metrics compare with
+    *_when("with eval.metrics fid, kid, precision_recall, ssim or psnr",
+           lambda c: any(n in ("fid", "kid", "precision_recall", "ssim", "psnr") for n in c.eval.metrics),
+           "eval.reference"),
+    *_when("with eval.metrics fid, kid or precision_recall",
+           lambda c: any(n in ("fid", "kid", "precision_recall") for n in c.eval.metrics), "eval.features"),
+    *_when("with eval.metrics clip_score", lambda c: "clip_score" in c.eval.metrics, "eval.clip_model"),
+]
+
 # What every online RL method reads, whatever it trains.
 ONLINE = [
     *_always("run", "model", "data", "rollout.global_batch_size", "rollout.group_size", "train.steps",
@@ -47,6 +61,7 @@ ONLINE = [
              "algorithm.dynamic_sampling", "distributed.mode"),
     *_when("with algorithm.dynamic_sampling=true", lambda c: c.algorithm.dynamic_sampling,
            "algorithm.max_sampling_rounds"),
+    *QUALITY,
     *_when("under torchrun (distributed.mode torchrun or auto)", _torchrun, "distributed.strategy",
            "distributed.backend"),
     *_when("with distributed.mode=ray", lambda c: c.distributed.mode == "ray", "distributed.ray_address",
@@ -76,8 +91,9 @@ LM = [
     *_when("with algorithm.advantage=reinforce_pp", lambda c: c.algorithm.advantage == "reinforce_pp",
            "algorithm.reinforce_baseline"),
 ]
-FLOW = _always("flow.steps", "flow.eval_steps", "flow.shift", "flow.guidance", "flow.weight_ema", "flow.adv_clip",
-               "algorithm.std_normalize", "train.gradient_checkpointing", "flow.sampler")
+FLOW = [*_always("flow.steps", "flow.eval_steps", "flow.shift", "flow.guidance", "flow.weight_ema", "flow.adv_clip",
+                 "algorithm.std_normalize", "train.gradient_checkpointing", "flow.sampler"),
+        *MEDIA_QUALITY]
 SDE = [  # the methods trained on stochastic (SDE) sampling steps
     *_always("flow.noise_level", "flow.sde_window"),
     *_when("with flow.sde_window set", lambda c: c.flow.sde_window is not None, "flow.window_policy",
@@ -100,7 +116,10 @@ OWN: dict[str, list[Read]] = {
                    "task.digits", "task.test_size"),
             *_always("run", "model", "data", "algorithm.name", "algorithm.dpo_beta", "algorithm.dpo_label_smoothing",
                      "algorithm.dpo_loss", "train.steps", "train.global_minibatch_size", "train.grad_clip", "optim",
-                     "eval", "rollout.temperature", "rollout.top_p", "rollout.max_new_tokens", "checkpoint", "log")],
+                     "eval.every", "eval.num_prompts", "eval.samples_per_prompt", "eval.temperature", "eval.greedy",
+                     "eval.batch_size", "rollout.temperature", "rollout.top_p", "rollout.max_new_tokens", "checkpoint",
+                     "log"),
+            *QUALITY],
     "flow_grpo": [*SDE, *_always("algorithm.clip_low", "algorithm.clip_high", "algorithm.kl_coef")],
     "flow_dppo": [*SDE, *_always("flow.dppo_tau")],
     "nft": [*ODE, *_always("flow.nft_beta", "flow.ema_rate", "flow.ema_max", "algorithm.reward_type")],
@@ -125,6 +144,9 @@ WHY = {
     "flow.noise_level": "the ODE methods sample without noise",
     "flow.solver": "flow_grpo / flow_dppo take Euler steps between their stochastic ones",
     "algorithm.reward_type": "policy-gradient methods normalise any reward within its group",
+    "eval.reference": "a language model's text metrics compare with each held-out row's 'reference' (or 'answer')",
+    "eval.features": "it is the feature space of the image / video metrics fid, kid and precision_recall",
+    "eval.clip_model": "it is the CLIP model of the image / video metric clip_score",
     "task.demo_noise": "corrupted demonstrations are for `regen sft`; RL prompts carry the true answers",
 }
 

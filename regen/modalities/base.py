@@ -139,7 +139,9 @@ class Modality:
     def export(self, folder: Path, gathered) -> None:
         raise NotImplementedError
 
-    def evaluate(self, items, reward, run_dir: Path, step: int) -> dict[str, float]:
+    def evaluate(self, items, reward, run_dir: Path, step: int, quality=None) -> dict[str, float]:
+        """eval/* metrics of the held-out `items`: each reward term, and `quality` (regen.quality.Quality,
+        eval.metrics) called on the same samples."""
         raise NotImplementedError
 
     def close(self) -> None:

@@ -325,7 +325,7 @@ class FlowModality(Modality):
         with swapped(self.policy, merged(net) if self.cfg.model.lora is not None else net):
             self.policy.export(folder)
 
-    def evaluate(self, items, reward, run_dir: Path, step: int) -> dict[str, float]:
+    def evaluate(self, items, reward, run_dir: Path, step: int, quality=None) -> dict[str, float]:
         """Held-out prompts, sampled with the ODE and fixed noise; mean reward of each term and
         the prompt adherence, with the first samples saved as PNG/GIF under samples/."""
         e, f = self.cfg.eval, self.cfg.flow
@@ -352,6 +352,8 @@ class FlowModality(Modality):
 
             # logged beside any reward, so a reward that is hacked (a flat colour) shows here
             metrics["eval/adherence_accuracy"] = nanmean(AdherenceAccuracy()(samples))
+        if quality:
+            metrics |= {f"eval/{k}": v for k, v in quality(samples, step).items()}
         if self.dist.main:
             save_media(run_dir, step, out, total, policy=self.policy)
         return metrics

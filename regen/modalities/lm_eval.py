@@ -40,10 +40,13 @@ def evaluate_with_samples(
     greedy: bool = False,
     reward: CombinedReward | None = None,
     keep: int = SAMPLES_KEPT,
+    quality=None,
+    step: int = 0,
 ) -> tuple[dict[str, float], list[dict]]:
     """`evaluate`, plus the first `keep` samples as JSON rows: prompt, completion, reward
     (combined; null when missing or when no reward is given), answer (when the prompt row
-    has one) with `correct` (exact match), and finished (ended with EOS)."""
+    has one) with `correct` (exact match), and finished (ended with EOS). `quality`
+    (regen.quality.Quality) adds the eval.metrics of the same samples."""
     gen = torch.Generator(device=policy.device).manual_seed(seed + EVAL_SEED_OFFSET)
     n = 1 if greedy else samples_per_prompt
     samples: list[Sample] = []
@@ -63,6 +66,8 @@ def evaluate_with_samples(
         total, _ = reward(samples)
         finite = [t for t in total if t == t]
         out["reward"] = sum(finite) / len(finite) if finite else float("nan")
+    if quality:
+        out |= quality(samples, step)
     rows = []
     for s, t, c in list(zip(samples, total, correct))[:keep]:
         row = {"prompt": s.prompt, "completion": s.completion,
@@ -75,7 +80,7 @@ def evaluate_with_samples(
 
 def run_eval(
     policy, items: list[PromptItem], cfg, reward: CombinedReward | None,
-    run_dir: Path | None = None, step: int | None = None,
+    run_dir: Path | None = None, step: int | None = None, quality=None,
 ) -> dict[str, float]:
     """Evaluate with the run's eval/rollout settings; keys prefixed 'eval/'. Given a run
     directory and step, the first samples go to run_dir/samples/step_NNNNNNNN.jsonl."""
@@ -84,7 +89,7 @@ def run_eval(
     items = items[: e.num_prompts]
     sampled, rows = evaluate_with_samples(
         policy, items, temperature=e.temperature or r.temperature, samples_per_prompt=e.samples_per_prompt,
-        reward=reward, **common,
+        reward=reward, quality=quality, step=step or 0, **common,
     )
     if run_dir is not None and step is not None and dist.current().main:
         write_samples(Path(run_dir), step, rows)

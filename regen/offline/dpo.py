@@ -20,6 +20,7 @@ from regen.modalities.lm_eval import fmt_eval, run_eval
 from regen.offline import close_offline
 from regen.offline.sft import IGNORE, encode_demos
 from regen.policies.lm import LMPolicy, apply_lora, load_model_and_tokenizer, max_positions, resolve_device
+from regen.quality import Quality, gates
 from regen.runtime import checkpoint as ckpt
 from regen.runtime.loggers import require as require_loggers
 from regen.runtime.metrics import MetricsLogger
@@ -89,11 +90,13 @@ def train_dpo(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
     log = MetricsLogger(run_dir, cfg.log, config=cfg, resume=state is not None)
     params = [p for p in policy.model.parameters() if p.requires_grad]
 
+    quality = Quality(cfg.eval, "lm", cfg.run.seed, run_dir)
+
     def evaluate_all(step: int) -> dict[str, float]:
-        out = run_eval(policy, eval_items, cfg, None, run_dir, step) if eval_items else {}
+        out = run_eval(policy, eval_items, cfg, None, run_dir, step, quality) if eval_items else {}
         if held is not None:
             out["eval/preference_accuracy"] = preference_accuracy(policy.model, *held)
-        return out
+        return out | gates.check(cfg.eval.gates, out)
 
     before = evaluate_all(0) if step0 == 0 else {}
     if before:

@@ -9,12 +9,14 @@ import time
 import torch
 
 from regen.config import SFTConfig, dump_config
-from regen.data import EpochSampler
+from regen.data import EpochSampler, PromptItem
 from regen.errors import UserError
+from regen.modalities.flow import to_samples
 from regen.modalities.flow_media import save_media
 from regen.offline import close_offline
 from regen.policies.flow_load import is_flow_model, load_flow_policy  # noqa: F401  (re-exported)
 from regen.policies.lm import resolve_device
+from regen.quality import Quality, gates
 from regen.runtime import checkpoint as ckpt
 from regen.runtime.loggers import require as require_loggers
 from regen.runtime.metrics import MetricsLogger
@@ -60,6 +62,8 @@ def sft_flow(cfg: SFTConfig, resume: bool = False) -> dict:
     s = cfg.sft
     params = policy.parameters()
 
+    quality = Quality(cfg.eval, "flow", cfg.run.seed, run_dir)
+
     def evaluate(step: int) -> dict[str, float]:
         """Samples for the held-out prompts (fixed noise: comparable between steps), saved as media."""
         gen = torch.Generator().manual_seed(cfg.run.seed + 7919)
@@ -68,7 +72,12 @@ def sft_flow(cfg: SFTConfig, resume: bool = False) -> dict:
         out = policy.sample_ode(prompts, cfg.eval.samples_per_prompt, gen, steps=20)
         policy.train(True)
         save_media(run_dir, step, out, policy=policy)
-        return {}
+        if not quality:
+            return {}
+        items = [PromptItem(p, dict(m)) for p, m in zip(prompts, held)]
+        metrics = {f"eval/{k}": v for k, v in quality(to_samples(policy, out, items, cfg.eval.samples_per_prompt),
+                                                      step).items()}
+        return metrics | gates.check(cfg.eval.gates, metrics)
 
     policy.train(True)
     with StepProgress(s.steps, start_step, cfg.log.progress, cfg.log.every, "sft", cfg.log.every_s) as bar, \
@@ -96,4 +105,6 @@ def sft_flow(cfg: SFTConfig, resume: bool = False) -> dict:
                 break
         last = ckpt.save_offline(run_dir, step, policy, opt, data, cfg.checkpoint.keep_last)
         after = evaluate(step) if held and step == s.steps else {}
+        if after:
+            log.log(step, after)
     return close_offline(run_dir, log, step, s.steps, last, policy.export, {"eval_after": after})

@@ -15,6 +15,7 @@ from regen.errors import DataError
 from regen.modalities.lm_eval import run_eval
 from regen.offline import close_offline
 from regen.policies.lm import LMPolicy, load_model_and_tokenizer, max_positions, resolve_device
+from regen.quality import Quality, gates
 from regen.runtime import checkpoint as ckpt
 from regen.runtime.loggers import require as require_loggers
 from regen.runtime.metrics import MetricsLogger
@@ -67,6 +68,13 @@ def sft(cfg: SFTConfig, resume: bool = False) -> dict:
     params = [p for p in policy.model.parameters() if p.requires_grad]
     s = cfg.sft
 
+    quality = Quality(cfg.eval, "lm", cfg.run.seed, run_dir)
+
+    def evaluate(step: int) -> dict[str, float]:
+        policy.model.eval()
+        out = run_eval(policy, eval_items, cfg, None, run_dir, step, quality)
+        return out | gates.check(cfg.eval.gates, out)
+
     def save(step: int):
         return ckpt.save_offline(run_dir, step, policy, opt, data, cfg.checkpoint.keep_last)
 
@@ -91,8 +99,7 @@ def sft(cfg: SFTConfig, resume: bool = False) -> dict:
             metrics = {"loss": loss.item(), "grad_norm": float(gn), "lr": lr, "time/step_s": dt,
                        "throughput/samples_per_s": s.global_batch_size / dt}
             if eval_items and cfg.eval.every and step % cfg.eval.every == 0 and step != s.steps:
-                policy.model.eval()
-                metrics.update(run_eval(policy, eval_items, cfg, None, run_dir, step))
+                metrics.update(evaluate(step))
                 policy.model.train()
             log.log(step, metrics)
             rate = s.global_batch_size * (step - start_step) / (time.perf_counter() - t_start)
@@ -103,7 +110,7 @@ def sft(cfg: SFTConfig, resume: bool = False) -> dict:
                 break
         last = save(step)
         policy.model.eval()
-        after = run_eval(policy, eval_items, cfg, None, run_dir, step) if eval_items and step == s.steps else {}
+        after = evaluate(step) if eval_items and step == s.steps else {}
         if after:
             log.log(step, after)
     return close_offline(run_dir, log, step, s.steps, last, policy.save_pretrained, {"eval_after": after})

@@ -16,6 +16,10 @@ from regen.report.svg import DASHES, PALETTE, Line, histogram_chart, line_chart,
 REWARD_STATS = {"reward/mean", "reward/std", "reward/missing_frac", "reward/zero_std_frac"}
 FRACTIONS = ["reward/zero_std_frac", "reward/missing_frac", "response/truncated_frac"]
 TIME_ORDER = ["time/sample_s", "time/logprob_s", "time/score_s", "time/update_s"]
+QUALITY_ORDER = ("fid", "kid", "precision", "recall", "ssim", "psnr", "temporal_ssim", "clip_score", "bleu4", "chrf",
+                 "exact_match", "gates_passed")
+QUALITY_HINT = {"eval/fid": " (lower is closer to the reference)", "eval/kid": " (lower is closer)",
+                "eval/gates_passed": " (1 = every eval.gates threshold met)"}
 SEVERE = ("stopped", "rollback", "failed", "nonfinite", "collapse")
 
 
@@ -66,6 +70,11 @@ def charts_for(runs: list[Run]) -> list[Chart]:
     keys = set().union(*(run.keys() for run in runs))
     comps = sorted(k for k in keys if k.startswith("reward/") and k.count("/") == 1 and k not in REWARD_STATS)
     charts = [Chart("reward", "reward (mean ± std)", ["reward/mean"], band="reward/std")]
+    # held-out reward and the quality metrics (eval.metrics) right beside the training reward, on
+    # the same axis: a reward that rises while FID rises (or recall falls) is reward hacking
+    quality = [k for k in (f"eval/{n}" for n in QUALITY_ORDER) if k in keys]
+    charts += [Chart(f"eval-{k}", k + QUALITY_HINT.get(k, ""), [k], points=True)
+               for k in ["eval/reward", *quality] if k in keys]
     if len(runs) == 1 or len(comps) <= 2:
         charts.append(Chart("components", "reward components", comps))
     else:  # several runs x several components: one chart per component stays readable
@@ -83,7 +92,10 @@ def charts_for(runs: list[Run]) -> list[Chart]:
         Chart("dpo-accuracy", "DPO: chosen preferred (fraction of pairs)", ["rewards/accuracy"]),
         Chart("lr", "learning rate", ["lr"]),
     ]
-    charts += [Chart(f"eval-{k}", k, [k], points=True) for k in sorted(k for k in keys if k.startswith("eval/"))]
+    shown = {k for c in charts for k in c.keys}
+    charts += [Chart(f"eval-{k}", k, [k], points=True) for k in sorted(k for k in keys if k.startswith("eval/")
+                                                                        and k not in shown
+                                                                        and not k.startswith("eval/gate/"))]
     flat = _flat(runs)
     return [c for c in charts if any(k in keys and k not in flat for k in c.keys)]
 

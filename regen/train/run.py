@@ -26,6 +26,7 @@ from regen.modalities.base import Modality
 from regen.placement import place
 from regen.placement.checks import check_placement
 from regen.policies.lm import resolve_device
+from regen.quality import Quality, gates
 from regen.runtime import checkpoint as ckpt
 from regen.runtime import dist as rdist
 from regen.runtime.alerts import Alerts
@@ -76,6 +77,7 @@ class Run:
     mirror: object | None = None  # S3Mirror when mirror.url is set
     expected_versions: dict | None = None  # reward versions of the checkpoint resumed (alert when they change)
     unscored: int = 0  # consecutive steps in which no sample got a score
+    quality: Quality | None = None  # eval.metrics: feature extractor and references, loaded once
 
     @classmethod
     def start(cls, cfg: RLConfig, resume: bool = False, force: bool = False) -> Run:
@@ -84,11 +86,13 @@ class Run:
         d = rdist.start(cfg.distributed.mode, cfg.distributed.strategy, cfg.distributed.backend, device)
         check_placement(cfg, d)
         reward, prompts, eval_items = run_inputs(cfg)
+        quality = Quality(cfg.eval, cfg.modality, cfg.run.seed, device=str(device))  # a wrong reference path stops here
         if cfg.distributed.mode == "ray":  # the cluster and its resources, before the run directory is touched
             from regen.placement.ray import start_ray
 
             start_ray(cfg)
         run_dir, resume = prepare_on_rank0(cfg, resume, d)
+        quality.base_file = run_dir / "eval" / "base_reference.npz" if d.main else None
         setup_torch(cfg.run.threads, cfg.run.seed)
         alerts = Alerts(run_dir, webhook_url=cfg.health.webhook_url)
         mirror = open_mirror(cfg, alerts) if d.main else None
@@ -129,7 +133,7 @@ class Run:
         hooks = loop_hooks(cfg.train.offload, device, [opt, *optimizers], idle)
         return cls(cfg, run_dir, m, opt, data, gen, reward, prompts, eval_items, log, alerts, health, start_step,
                    rollout, d, Precision(cfg.train.precision, device), hooks, mirror,
-                   state["state"].get("reward_versions") if state else None)
+                   state["state"].get("reward_versions") if state else None, quality=quality)
 
     # ------------------------------------------------------------------ each step
 
@@ -207,8 +211,18 @@ class Run:
                 f"(see {self.run_dir / 'alerts.jsonl'}); a checkpoint was written: fix the scorer and rerun")
 
     def evaluate(self, step: int) -> dict[str, float]:
-        """Held-out metrics (eval/*), with the first samples kept under samples/."""
-        return self.m.evaluate(self.eval_items, self.reward, self.run_dir, step)
+        """Held-out metrics (eval/*: rewards, eval.metrics, eval.gates), with the first samples
+        kept under samples/; a failed gate raises an alert."""
+        metrics = self.m.evaluate(self.eval_items, self.reward, self.run_dir, step, self.quality)
+        e = self.cfg.eval
+        if self.quality.missing_base:
+            self.alerts.fire(step, "eval_reference_missing", "eval.reference=base: this run resumed without "
+                             "eval/base_reference.npz (the starting model's samples), so drift is not measured")
+        metrics |= gates.check(e.gates, metrics)
+        failed = gates.failed(e.gates, metrics)
+        if failed:
+            self.alerts.fire(step, "eval_gate_failed", "evaluation failed its gates: " + "; ".join(failed))
+        return metrics
 
     # ------------------------------------------------------------------ books
 
