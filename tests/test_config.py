@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from regen.config import RLConfig, SFTConfig, describe, load_config, parse_overrides, redact
@@ -97,3 +99,14 @@ def test_every_leaf_is_described():
         keys = {k for k, _, _ in rows}
         assert {"rollout.group_size", "optim.lr", "train.steps" if kind is RLConfig else "sft.steps"} <= keys
         assert all(desc for _, _, desc in rows), [k for k, _, d in rows if not d]
+
+
+@pytest.mark.parametrize("path", sorted(Path(__file__).resolve().parents[1].glob("examples/*.yaml")),
+                         ids=lambda p: p.name)
+def test_every_example_config_loads_with_every_key_read(path):
+    """What users copy must load as written: a typo or a key its method ignores would be refused."""
+    import yaml
+
+    tree = yaml.safe_load(path.read_text())
+    kind = SFTConfig if "sft" in tree else RLConfig
+    load_config(kind, str(path))

@@ -72,7 +72,7 @@ def test_every_key_is_read_by_the_method_or_refused_by_name(method):
 
 IN_SCOPE = ("algorithm.", "flow.", "critic.", "rollout.temperature", "rollout.top_p", "rollout.max_new_tokens",
             "eval.temperature", "eval.greedy", "task.", "train.gradient_checkpointing", "eval.metrics", "eval.gates",
-            "eval.metric_samples", "eval.reference", "eval.features", "eval.clip_model")
+            "eval.metric_samples", "eval.reference", "eval.features", "eval.clip_model", "rollout.stop_tokens")
 # Keys that by design compute the same result (they trade memory or speed), each checked otherwise.
 SAME_BY_DESIGN = {
     "train.gradient_checkpointing": "recomputes activations in the backward pass: same gradients, less memory",
@@ -144,6 +144,7 @@ CASES = [
     ("dgpo", ("train.ppo_epochs=2", "optim.lr=1e-3"), "algorithm.clip_low=0.000001"),
     ("dgpo", ("train.ppo_epochs=2", "optim.lr=1e-3", "algorithm.clip_low=0.5"), "algorithm.clip_high=0.000001"),
     ("dgpo", (), "flow.ema_rate=0.5"), ("dgpo", ("flow.ema_rate=0.5",), "flow.ema_max=0.0001"),
+    ("grpo", (), "rollout.stop_tokens=['1']"),
     ("grpo", LM_EVAL, "eval.metrics=[bleu4]"), ("grpo", (*LM_EVAL, "eval.metrics=[chrf]"), "eval.metric_samples=2"),
     ("grpo", LM_EVAL, "eval.gates={accuracy: '>= 0.5'}"),
     ("flow_grpo", FLOW_EVAL, "eval.metrics=[psnr]"), ("flow_grpo", FLOW_EVAL, "eval.gates={reward: '> 0'}"),

@@ -233,11 +233,18 @@ def run(args) -> dict:
     s, terms = settings(args, cfg)
     task = TaskConfig(digits=s["digits"], test_size=s["test_size"])
     extra = {"columns": s["columns"]} if s["columns"] else {}
-    items = load_prompts(s["data"], task, "--data", **extra)[: s["num_prompts"]]
+    chat = cfg is not None and cfg.data.chat_template
+    items = load_prompts(s["data"], task, "--data", chat=chat, **extra)[: s["num_prompts"]]
     if not items:
         raise UserError(f"--data: no prompts in '{s['data']}'")
     reward = _PartsRecorder(CombinedReward.from_config(terms)) if terms else None
     policy = load_policy(source, task, s["seed"], args.device)
+    if cfg is not None:  # the run's chat template and stop tokens, as in its own evaluations
+        from regen.data.chat import render
+        from regen.policies.lm import configure_prompts
+
+        configure_prompts(policy, cfg)
+        items = render(items, policy.tokenizer, cfg.data.system_prompt, "--data") if chat else items
     n = 1 if args.greedy else s["samples_per_prompt"]
     common = {"top_p": s["top_p"], "max_new_tokens": s["max_new_tokens"], "batch_size": s["batch_size"],
               "seed": s["seed"]}

@@ -67,8 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser(
         "eval", help="Score a checkpoint, a run or a model on held-out prompts.",
-        description="Sample completions for held-out prompts, score them with rewards and report accuracy\n"
-        "(exact match against each row's 'answer'), the mean reward of each term and the length.\n"
+        description="Sample completions (language models) or images / videos (flow models) for held-out prompts,\n"
+        "score them with rewards and report accuracy (exact match against each row's 'answer'), the\n"
+        "mean reward of each term, the length, and any quality metrics (FID, BLEU-4, ...: --metrics).\n"
         "SOURCE is a run directory (its newest valid checkpoint, else its export/), a checkpoint\n"
         "folder (LoRA adapters are merged into their base), a model folder, or a hub id.\n"
         "For a run or one of its checkpoints, the run's config.yaml gives the held-out data, the\n"

@@ -22,6 +22,9 @@ def add_serve_parser(sub) -> None:
     )
     sv.add_argument("--reward", action="append", required=True, metavar="NAME",
                     help="Reward to serve (repeatable; the first is the default of requests).")
+    sv.add_argument("--reward-args", action="append", default=None, metavar="YAML",
+                    help="Arguments of the --reward at the same position, as a YAML mapping, e.g. --reward clip_score "
+                    "--reward-args '{model: /models/clip}' (`regen rewards` lists each reward's arguments).")
     sv.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1: this machine only).")
     sv.add_argument("--port", type=int, default=8008, help="TCP port (default 8008).")
     sv.add_argument("--token-env", default="REGEN_REWARD_TOKEN", help="Environment variable holding the token.")
@@ -85,7 +88,12 @@ def cmd_serve_reward(args) -> int:
                         "samples in clear; pass --ssl-certfile and --ssl-keyfile, or --insecure-http on a trusted network")
     if args.no_auth and not loopback:
         print(f"warning: serving without authentication on {args.host}", file=sys.stderr)
-    cfg = ServerConfig(rewards=args.reward, token=token, max_batch=args.max_batch,
+    from regen.cli.eval import _reward_args
+
+    if args.reward_args and len(args.reward_args) > len(args.reward):
+        raise UserError("--reward-args: each one goes with the --reward before it (more --reward-args than --reward)")
+    reward_args = {name: _reward_args(args.reward_args, i) for i, name in enumerate(args.reward)}
+    cfg = ServerConfig(rewards=args.reward, token=token, max_batch=args.max_batch, args=reward_args,
                        max_body_bytes=int(args.max_body_mb * 1024 * 1024), max_concurrency=args.max_concurrency,
                        cache_size=args.cache_size, max_pixels=args.max_pixels,
                        max_request_pixels=args.max_request_pixels, header_timeout_s=args.header_timeout_s)

@@ -81,6 +81,12 @@ class DataConfig(Section):
         default_factory=dict, description="Hugging Face datasets: the column holding each field regen reads, "
         "e.g. {prompt: question, chosen: response_j, rejected: response_k}."
     )
+    chat_template: bool = Field(
+        False, description="Language models: render each prompt with the tokenizer's chat template (a user turn, or "
+        "the row's 'messages' list of {role, content}) and add_generation_prompt; the completion is the assistant "
+        "turn, ended by EOS or the model's end-of-turn token (generation_config eos ids, rollout.stop_tokens).")
+    system_prompt: str | None = Field(
+        None, description="With data.chat_template: a system turn put first in every prompt that has none.")
     on_bad_line: Literal["error", "skip"] = Field(
         "error", description="A malformed JSONL line: stop with its file and line number, or skip it and count it."
     )
@@ -102,6 +108,9 @@ class RolloutConfig(Section):
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold; 1.0 disables it.")
     max_new_tokens: int = Field(8, ge=1, description="Completion length cap in tokens (EOS included).")
+    stop_tokens: list[str] = Field(
+        default_factory=list, description="Extra tokens that end a completion, besides EOS and the model's "
+        "generation_config eos ids (e.g. ['<|im_end|>']); each must be one token of the tokenizer.")
     engine: Literal["hf", "vllm"] = Field(
         "hf", description="Language-model sampling engine: 'hf' (regen's KV-cached loop over the transformers "
         "model) or 'vllm' (needs `pip install vllm` and a GPU; weights are pushed to it after every update)."
@@ -421,6 +430,13 @@ class SFTConfig(Section):
     )
     checkpoint: CheckpointConfig = Field(default_factory=lambda: CheckpointConfig(every=0))
     log: LogConfig = Field(default_factory=lambda: LogConfig(every=200))
+
+    @model_validator(mode="after")
+    def _no_chat(self) -> SFTConfig:
+        if self.data.chat_template or self.data.system_prompt is not None:
+            raise ValueError("data.chat_template / data.system_prompt: `regen sft` trains on the rows' text as "
+                             "written; chat templates are for `regen train` (render the demonstrations beforehand)")
+        return self
 
 
 # Loading lives in its own module; re-exported here so `regen.config` is the one place to import from.

@@ -54,7 +54,8 @@ MEDIA_QUALITY = [  # what the image / video metrics compare with
 
 # What every online RL method reads, whatever it trains.
 ONLINE = [
-    *_always("run", "model", "data", "rollout.global_batch_size", "rollout.group_size", "train.steps",
+    *_always("run", "model", "data.train", "data.eval", "data.columns", "data.on_bad_line",
+             "rollout.global_batch_size", "rollout.group_size", "train.steps",
              "train.ppo_epochs", "train.global_minibatch_size", "train.micro_batch_size", "train.grad_clip",
              "train.precision", "train.offload", "optim", "reward", "eval.every", "eval.num_prompts",
              "eval.samples_per_prompt", "checkpoint", "health", "mirror", "log", "algorithm.name",
@@ -80,6 +81,8 @@ def _arithmetic(cfg) -> bool:
 LM = [
     *_when("with the built-in arithmetic task (builtin:arithmetic data or model.init)", _arithmetic, "task.digits",
            "task.test_size"),
+    *_always("data.chat_template", "rollout.stop_tokens"),
+    *_when("with data.chat_template=true", lambda c: c.data.chat_template, "data.system_prompt"),
     *_always("rollout.temperature", "rollout.top_p", "rollout.max_new_tokens", "rollout.engine",
              "eval.temperature", "eval.greedy", "eval.batch_size", "algorithm.clip_low", "algorithm.clip_high",
              "algorithm.entropy_coef", "algorithm.kl_coef", "algorithm.overlong", "algorithm.advantage"),
@@ -114,7 +117,8 @@ OWN: dict[str, list[Read]] = {
                   lambda c: c.algorithm.kl_coef > 0 or c.algorithm.entropy_coef > 0, "algorithm.loss_agg"),
     "dpo": [*_when("with the built-in arithmetic task (builtin:arithmetic data or model.init)", _arithmetic,
                    "task.digits", "task.test_size"),
-            *_always("run", "model", "data", "algorithm.name", "algorithm.dpo_beta", "algorithm.dpo_label_smoothing",
+            *_always("run", "model", "data.train", "data.eval", "data.columns", "data.on_bad_line", "algorithm.name",
+                     "rollout.stop_tokens", "algorithm.dpo_beta", "algorithm.dpo_label_smoothing",
                      "algorithm.dpo_loss", "train.steps", "train.global_minibatch_size", "train.grad_clip", "optim",
                      "eval.every", "eval.num_prompts", "eval.samples_per_prompt", "eval.temperature", "eval.greedy",
                      "eval.batch_size", "rollout.temperature", "rollout.top_p", "rollout.max_new_tokens", "checkpoint",
@@ -147,6 +151,8 @@ WHY = {
     "eval.reference": "a language model's text metrics compare with each held-out row's 'reference' (or 'answer')",
     "eval.features": "it is the feature space of the image / video metrics fid, kid and precision_recall",
     "eval.clip_model": "it is the CLIP model of the image / video metric clip_score",
+    "data.chat_template": "it renders language-model prompts (DPO's pairs are scored as written)",
+    "data.system_prompt": "it is part of data.chat_template",
     "task.demo_noise": "corrupted demonstrations are for `regen sft`; RL prompts carry the true answers",
 }
 

@@ -102,9 +102,10 @@ def read_rows(spec: str, required: tuple[str, ...], where: str, skip_bad: bool =
 
 
 def load_prompts(spec: str, task, where: str, skip_bad: bool = False,
-                 columns: dict[str, str] | None = None) -> list[PromptItem]:
+                 columns: dict[str, str] | None = None, chat: bool = False) -> list[PromptItem]:
     """`spec` is a JSONL path (rows with 'prompt'; other fields become meta), 'hf:DATASET[:SPLIT]'
-    or 'builtin:arithmetic:SPLIT'."""
+    or 'builtin:arithmetic:SPLIT'. chat: rows may hold 'messages' instead of 'prompt' (rendered
+    later by regen.data.chat.render)."""
     if spec.startswith("builtin:"):
         from regen.tasks import arithmetic, shapes
 
@@ -112,8 +113,8 @@ def load_prompts(spec: str, task, where: str, skip_bad: bool = False,
         if name != "arithmetic":  # image / video prompts, meta = the drawn attributes
             return shapes.prompts("image" if name == "shapes" else "video", split)
         return arithmetic.prompts(split, task.digits, task.test_size)
-    rows = read_rows(spec, ("prompt",), where, skip_bad, columns)
-    return [PromptItem(prompt=r.pop("prompt"), meta=r) for r in rows]
+    rows = read_rows(spec, () if chat else ("prompt",), where, skip_bad, columns)
+    return [PromptItem(prompt=r.pop("prompt", None), meta=r) for r in rows]
 
 
 def load_demos(spec: str, task, where: str, skip_bad: bool = False,

@@ -24,7 +24,14 @@ from regen.algorithms.losses import batch_denominators
 from regen.modalities.base import Advantages, Modality
 from regen.modalities.lm_eval import run_eval
 from regen.policies.critic import Critic
-from regen.policies.lm import LMPolicy, LMRollout, apply_lora, concat_rollouts, load_model_and_tokenizer
+from regen.policies.lm import (
+    LMPolicy,
+    LMRollout,
+    apply_lora,
+    concat_rollouts,
+    configure_prompts,
+    load_model_and_tokenizer,
+)
 from regen.rewards import Sample
 from regen.runtime import checkpoint as ckpt
 from regen.runtime.dist import Dist
@@ -70,11 +77,13 @@ class LMModality(Modality):
             if cfg.model.lora is not None:
                 model = apply_lora(model, cfg.model.lora)  # the trainer sends the adapter
             self.policy, self.critic, self.critic_opt = LMPolicy(model, tok, device), None, None
+            configure_prompts(self.policy, cfg)
             self.policy.model.eval()
             self.engine = self.policy
             return
         model, tok, reference = load_policy_model(cfg, state)
         self.policy = LMPolicy(model, tok, device, reference=reference)
+        configure_prompts(self.policy, cfg)
         self.policy.model.eval()  # dropout off: sampling and training see the same function (ratio 1 on-policy)
         if dist.on:  # DDP's wrapper, or the model (and reference) sharded in place by FSDP2
             self.policy.forward_model = dist.wrap(self.policy.model)

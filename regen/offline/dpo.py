@@ -19,7 +19,7 @@ from regen.data import Demo, EpochSampler, load_pairs, load_prompts
 from regen.modalities.lm_eval import fmt_eval, run_eval
 from regen.offline import close_offline
 from regen.offline.sft import IGNORE, encode_demos
-from regen.policies.lm import LMPolicy, apply_lora, load_model_and_tokenizer, max_positions, resolve_device
+from regen.policies.lm import LMPolicy, apply_lora, configure_prompts, load_model_and_tokenizer, max_positions, resolve_device
 from regen.quality import Quality, gates
 from regen.runtime import checkpoint as ckpt
 from regen.runtime.loggers import require as require_loggers
@@ -65,7 +65,9 @@ def train_dpo(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
     pairs = load_pairs(cfg.data.train, cfg.task, "data.train", skip, cfg.data.columns)
     held_pairs = load_pairs(cfg.data.eval, cfg.task, "data.eval", skip, cfg.data.columns) if cfg.data.eval else []
     eval_items = load_prompts(cfg.data.eval, cfg.task, "data.eval", skip, cfg.data.columns) if cfg.data.eval else []
+    quality = Quality(cfg.eval, "lm", cfg.run.seed)  # a wrong metric setting stops before the run dir
     run_dir, resume = prepare(cfg.run.dir, cfg.run.overwrite, resume)
+    quality.base_file = run_dir / "eval" / "base_reference.npz"
     setup_torch(cfg.run.threads, cfg.run.seed)
     state = ckpt.load_latest(run_dir) if resume else None
 
@@ -80,6 +82,7 @@ def train_dpo(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
     elif state is not None:
         start, tok = load_model_and_tokenizer(ckpt.resumed_model(cfg.model, state), cfg.task, cfg.run.seed)
     policy = LMPolicy(start, tok, device)
+    configure_prompts(policy, cfg)
     policy.model.eval()  # dropout off, as in RL
     held = [_encode(held_pairs, tok, max_len, w, device) for w in ("chosen", "rejected")] if held_pairs else None
     opt = make_optimizer(policy.model, cfg.optim)
@@ -89,8 +92,6 @@ def train_dpo(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
     mark_running(run_dir)  # run.json, for `regen status`
     log = MetricsLogger(run_dir, cfg.log, config=cfg, resume=state is not None)
     params = [p for p in policy.model.parameters() if p.requires_grad]
-
-    quality = Quality(cfg.eval, "lm", cfg.run.seed, run_dir)
 
     def evaluate_all(step: int) -> dict[str, float]:
         out = run_eval(policy, eval_items, cfg, None, run_dir, step, quality) if eval_items else {}

@@ -46,7 +46,9 @@ def sft_flow(cfg: SFTConfig, resume: bool = False) -> dict:
     if cfg.model.lora is not None:
         raise UserError("model.lora: flow-matching pretraining (regen sft) trains every weight; LoRA is for "
                         "`regen train` of a flow model")
+    quality = Quality(cfg.eval, "flow", cfg.run.seed)  # a wrong metric setting stops before the run dir
     run_dir, resume = prepare(cfg.run.dir, cfg.run.overwrite, resume)
+    quality.base_file = run_dir / "eval" / "base_reference.npz"
     setup_torch(cfg.run.threads, cfg.run.seed)
     state = ckpt.load_latest(run_dir) if resume else None
     policy = load_flow_policy(ckpt.resumed_model(cfg.model, state), cfg.run.seed, device)
@@ -61,8 +63,6 @@ def sft_flow(cfg: SFTConfig, resume: bool = False) -> dict:
     log = MetricsLogger(run_dir, cfg.log, config=cfg, resume=state is not None)
     s = cfg.sft
     params = policy.parameters()
-
-    quality = Quality(cfg.eval, "flow", cfg.run.seed, run_dir)
 
     def evaluate(step: int) -> dict[str, float]:
         """Samples for the held-out prompts (fixed noise: comparable between steps), saved as media."""

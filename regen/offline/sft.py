@@ -14,7 +14,7 @@ from regen.data import Demo, EpochSampler, load_demos, load_prompts
 from regen.errors import DataError
 from regen.modalities.lm_eval import run_eval
 from regen.offline import close_offline
-from regen.policies.lm import LMPolicy, load_model_and_tokenizer, max_positions, resolve_device
+from regen.policies.lm import LMPolicy, configure_prompts, load_model_and_tokenizer, max_positions, resolve_device
 from regen.quality import Quality, gates
 from regen.runtime import checkpoint as ckpt
 from regen.runtime.loggers import require as require_loggers
@@ -52,11 +52,14 @@ def sft(cfg: SFTConfig, resume: bool = False) -> dict:
     demos = load_demos(cfg.data.train, cfg.task, "data.train", cfg.data.on_bad_line == "skip", cfg.data.columns)
     skip_bad = cfg.data.on_bad_line == "skip"
     eval_items = load_prompts(cfg.data.eval, cfg.task, "data.eval", skip_bad, cfg.data.columns) if cfg.data.eval else []
+    quality = Quality(cfg.eval, "lm", cfg.run.seed)  # a wrong metric setting stops before the run dir
     run_dir, resume = prepare(cfg.run.dir, cfg.run.overwrite, resume)
+    quality.base_file = run_dir / "eval" / "base_reference.npz"
     setup_torch(cfg.run.threads, cfg.run.seed)
     state = ckpt.load_latest(run_dir) if resume else None
     model, tok = load_model_and_tokenizer(ckpt.resumed_model(cfg.model, state), cfg.task, cfg.run.seed)
     policy = LMPolicy(model, tok, device)
+    configure_prompts(policy, cfg)  # rollout.stop_tokens in its held-out evaluation
     max_len = max_positions(model)
     ids, mask, labels = (t.to(device) for t in encode_demos(demos, tok, max_len))
     opt = make_optimizer(policy.model, cfg.optim)
@@ -67,8 +70,6 @@ def sft(cfg: SFTConfig, resume: bool = False) -> dict:
     log = MetricsLogger(run_dir, cfg.log, config=cfg, resume=state is not None)
     params = [p for p in policy.model.parameters() if p.requires_grad]
     s = cfg.sft
-
-    quality = Quality(cfg.eval, "lm", cfg.run.seed, run_dir)
 
     def evaluate(step: int) -> dict[str, float]:
         policy.model.eval()

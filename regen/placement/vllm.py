@@ -43,13 +43,17 @@ class VLLMEngine:
                generator=None, greedy: bool = False, uniforms: torch.Tensor | None = None) -> LMRollout:
         seeds = [0] * len(prompts) if uniforms is None else \
             (uniforms[::n, 0].double() * 2**31).long().tolist()  # one seed per group from its uniforms
+        stops = self.policy.stop_ids  # EOS, the end-of-turn token(s), rollout.stop_tokens
         params = [self.vllm.SamplingParams(n=n, temperature=0.0 if greedy else temperature, top_p=top_p,
-                                           max_tokens=max_new_tokens, seed=s) for s in seeds]
+                                           max_tokens=max_new_tokens, seed=s, stop_token_ids=stops) for s in seeds]
+        if not self.policy.add_special_tokens:  # chat-rendered prompts: token ids, so no second BOS is added
+            tok = self.policy.tokenizer
+            prompts = [{"prompt_token_ids": tok(p, add_special_tokens=False)["input_ids"]} for p in prompts]
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         prompt_ids = [list(o.prompt_token_ids) for o in outs for _ in range(n)]
         responses = [list(c.token_ids) for o in outs for c in o.outputs]
         return build_rollout(prompt_ids, responses, [c.text for o in outs for c in o.outputs], self.pad_id,
-                             self.eos_id, self.policy.device)
+                             stops, self.policy.device)
 
     def load_weights(self, policy, step: int) -> dict[str, float]:
         """Copy the trained weights into vLLM's model (the in-process path TRL's colocate mode uses)."""
@@ -66,9 +70,10 @@ class VLLMEngine:
 
 
 def build_rollout(prompt_ids: list[list[int]], responses: list[list[int]], texts: list[str], pad_id: int,
-                  eos_id: int, device) -> LMRollout:
+                  eos_ids: int | list[int], device) -> LMRollout:
     """An LMRollout from token lists: prompts left-padded, responses right-padded, the mask
-    covering each response up to and including its first EOS."""
+    covering each response up to and including its first EOS (or other stop token)."""
+    stops = {eos_ids} if isinstance(eos_ids, int) else set(eos_ids)
     P = max(len(p) for p in prompt_ids)
     T = max(1, max(len(r) for r in responses))
     B = len(responses)
@@ -79,8 +84,9 @@ def build_rollout(prompt_ids: list[list[int]], responses: list[list[int]], texts
     for i, (p, r) in enumerate(zip(prompt_ids, responses, strict=True)):
         ids[i, P - len(p) : P] = torch.tensor(p, dtype=torch.long)
         att[i, P - len(p) : P] = 1
-        if eos_id in r:
-            r, finished[i] = r[: r.index(eos_id) + 1], True
+        first = next((j for j, t in enumerate(r) if t in stops), None)
+        if first is not None:
+            r, finished[i] = r[: first + 1], True
         if r:
             ids[i, P : P + len(r)] = torch.tensor(r, dtype=torch.long)
             att[i, P : P + len(r)] = 1

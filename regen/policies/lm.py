@@ -72,6 +72,29 @@ def load_model_and_tokenizer(model_cfg, task_cfg, seed: int):
     return model, tok
 
 
+def stop_ids(model, tokenizer, extra: list[str] = ()) -> list[int]:
+    """Token ids that end a completion: the tokenizer's EOS, the model's generation_config EOS
+    id(s), and `extra` token strings (rollout.stop_tokens), each of which must be one token."""
+    ids = {tokenizer.eos_token_id}
+    gen = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids |= set(gen if isinstance(gen, (list, tuple)) else [gen] if gen is not None else [])
+    for text in extra:
+        tid = tokenizer.convert_tokens_to_ids(text)
+        if tid is None or tid == tokenizer.unk_token_id or tokenizer.convert_ids_to_tokens(tid) != text:
+            pieces = tokenizer(text, add_special_tokens=False)["input_ids"]
+            tid = pieces[0] if len(pieces) == 1 else None
+        if tid is None:
+            raise UserError(f"rollout.stop_tokens: '{text}' is not one token of this tokenizer")
+        ids.add(int(tid))
+    return sorted(i for i in ids if i is not None)
+
+
+def configure_prompts(policy, cfg) -> None:
+    """data.chat_template and rollout.stop_tokens on a policy built from `cfg`."""
+    policy.stop_ids = stop_ids(policy.model, policy.tokenizer, cfg.rollout.stop_tokens)
+    policy.add_special_tokens = not getattr(cfg.data, "chat_template", False)
+
+
 class LMPolicy:
     """The trained model, its tokenizer, and an optional frozen reference copy for the KL term."""
 
@@ -83,6 +106,11 @@ class LMPolicy:
         self.device = device
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id
+        # a completion ends at any of these: EOS, the model's generation_config EOS ids (an instruct
+        # model's end-of-turn token, e.g. <|im_end|>), and rollout.stop_tokens (set_stops)
+        self.stop_ids = stop_ids(model, tokenizer)
+        # prompts rendered by a chat template already hold their special tokens (BOS...)
+        self.add_special_tokens = True
         if isinstance(reference, str) and reference == "copy":
             reference = copy.deepcopy(self.model)
         self.ref = None if reference is None else reference.to(device).eval().requires_grad_(False)
@@ -118,7 +146,9 @@ class LMPolicy:
         model = self.model
         was_training = model.training
         model.eval()
-        enc = self.tokenizer(prompts, padding=True, padding_side="left", return_tensors="pt")
+        enc = self.tokenizer(prompts, padding=True, padding_side="left", return_tensors="pt",
+                             add_special_tokens=self.add_special_tokens)
+        stops = torch.tensor(self.stop_ids, device=self.device)
         prompt_mask = enc["attention_mask"].to(self.device)
         cache_arg = _cache_arg(model)
         # Each prompt is encoded once and its KV cache repeated n times: the group shares it.
@@ -141,7 +171,7 @@ class LMPolicy:
             tokens.append(tok)
             if with_logp:
                 logps.append(F.log_softmax(logits.float() / temperature, -1).gather(-1, tok[:, None]).squeeze(-1))
-            done = done | (tok == self.eos_id)
+            done = done | torch.isin(tok, stops)
             if t + 1 == max_new_tokens or self.all_done(done):
                 break
             mask = torch.cat([mask, mask.new_ones(B, 1)], 1)
@@ -153,8 +183,8 @@ class LMPolicy:
             next_pos = next_pos + 1
         model.train(was_training)
         response = torch.stack(tokens, 1)  # (B, T)
-        is_eos = response == self.eos_id
-        # valid = every token up to and including the first EOS
+        is_eos = torch.isin(response, stops)
+        # valid = every token up to and including the first EOS (or other stop token)
         before_eos = (is_eos.cumsum(1) - is_eos.long()) == 0
         response_mask = before_eos.float()
         finished = is_eos.any(1)

@@ -61,6 +61,7 @@ class Quality:
         if "clip_score" in self.names and not e.clip_model:
             raise UserError("eval.metrics: clip_score needs eval.clip_model, a local CLIPModel folder")
         self.base_file = None if run_dir is None else Path(run_dir) / "eval" / "base_reference.npz"
+        self.write_base = True  # under torchrun only rank 0 writes it; every rank reads it on resume
         self._features = None
         self._ref_media: np.ndarray | None = None
         self._ref_feats: torch.Tensor | None = None
@@ -117,7 +118,7 @@ class Quality:
             return np.load(f)["media"]
         if step != 0:
             return None
-        if f is not None:
+        if f is not None and self.write_base:
             f.parent.mkdir(parents=True, exist_ok=True)
             tmp = f.with_name(f".tmp-{f.name}")
             with open(tmp, "wb") as fh:

@@ -1,8 +1,9 @@
 """Feature extractors for distribution metrics (FID, KID, precision/recall): uint8 media in,
 one feature vector per sample out, loaded once per run.
 
-  shapes          the built-in shapes adherence classifier's penultimate layer (96 values; the
-                  demo and tests: no download, trained and cached on first use)
+  shapes          the built-in shapes adherence classifier's penultimate layer (96 values, scaled
+                  to unit RMS on true drawings; the demo and tests: no download, trained and
+                  cached on first use)
   clip:PATH       a local transformers CLIPModel folder: its projected image embedding (videos:
                   the mean over frames)
   inception:PATH  Inception-v3 of FID's reference implementation (torch-fidelity's
@@ -39,6 +40,11 @@ class ShapesFeatures:
         self.kind = kind
         model, _ = adherence.load(kind)
         self.body = model[:-1].eval()  # up to the last ReLU: 96 values that tell colour, shape and place apart
+        # scaled to unit RMS on true drawings, as Inception's pool features roughly are: KID's kernel
+        # (x.y / d + 1)^3 is cubed, and at the raw scale (~10 per value) it drowned in its own noise
+        draws = adherence._draw(kind, 512, torch.Generator().manual_seed(2024))[0]
+        with torch.no_grad():
+            self.scale = float(self.body(((draws.clamp(-1, 1) + 1) * 127.5).round() / 127.5 - 1).pow(2).mean().sqrt())
 
     @torch.no_grad()
     def __call__(self, media: np.ndarray) -> torch.Tensor:
@@ -49,7 +55,7 @@ class ShapesFeatures:
             raise UserError(f"eval.features=shapes reads the shapes task's {self.kind}s of shape {want}; "
                             f"these are {tuple(media.shape[1:])}: set eval.features to clip:PATH or inception:PATH")
         out = [self.body(x.float().div(127.5).sub(1).movedim(-1, -3)) for x in _batches(media)]
-        return torch.cat(out).double()
+        return torch.cat(out).double() / self.scale
 
 
 class ClipFeatures:

@@ -9,7 +9,9 @@ from regen.rewards import (
     adherence,  # noqa: F401  (the shapes classifier "adherence"; torch loads on first use)
     builtin,  # noqa: F401  (registers the built-in rewards)
     client,  # noqa: F401  (registers "remote")
+    clip,  # noqa: F401  (clip_score, pickscore, aesthetic: local CLIP models)
     image,  # noqa: F401  (image/video rewards, "binary" and "pairwise")
+    math,  # noqa: F401  (math_equal: verifiable answers, math-verify in a worker process)
 )
 from regen.rewards.base import REGISTRY, CombinedReward, Sample, register, resolve
 

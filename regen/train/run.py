@@ -86,13 +86,13 @@ class Run:
         d = rdist.start(cfg.distributed.mode, cfg.distributed.strategy, cfg.distributed.backend, device)
         check_placement(cfg, d)
         reward, prompts, eval_items = run_inputs(cfg)
-        quality = Quality(cfg.eval, cfg.modality, cfg.run.seed, device=str(device))  # a wrong reference path stops here
+        quality = Quality(cfg.eval, cfg.modality, cfg.run.seed, device=str(device))  # a wrong path stops here
         if cfg.distributed.mode == "ray":  # the cluster and its resources, before the run directory is touched
             from regen.placement.ray import start_ray
 
             start_ray(cfg)
         run_dir, resume = prepare_on_rank0(cfg, resume, d)
-        quality.base_file = run_dir / "eval" / "base_reference.npz" if d.main else None
+        quality.base_file, quality.write_base = run_dir / "eval" / "base_reference.npz", d.main
         setup_torch(cfg.run.threads, cfg.run.seed)
         alerts = Alerts(run_dir, webhook_url=cfg.health.webhook_url)
         mirror = open_mirror(cfg, alerts) if d.main else None

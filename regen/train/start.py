@@ -35,8 +35,16 @@ def run_inputs(cfg: RLConfig) -> tuple[CombinedReward, list[PromptItem], list[Pr
     require_loggers(cfg.log)  # W&B / MLflow installed when turned on
     reward = CombinedReward.from_config(cfg.reward)
     skip = cfg.data.on_bad_line == "skip"
-    prompts = load_prompts(cfg.data.train, cfg.task, "data.train", skip, cfg.data.columns)
-    eval_items = load_prompts(cfg.data.eval, cfg.task, "data.eval", skip, cfg.data.columns) if cfg.data.eval else []
+    chat = cfg.data.chat_template and cfg.modality == "lm"
+    prompts = load_prompts(cfg.data.train, cfg.task, "data.train", skip, cfg.data.columns, chat)
+    eval_items = load_prompts(cfg.data.eval, cfg.task, "data.eval", skip, cfg.data.columns, chat) if cfg.data.eval \
+        else []
+    if chat:  # rendered with the model's own template before anything else is touched
+        from regen.data.chat import load_tokenizer, render
+
+        tok = load_tokenizer(cfg.model, cfg.task)
+        prompts = render(prompts, tok, cfg.data.system_prompt, "data.train")
+        eval_items = render(eval_items, tok, cfg.data.system_prompt, "data.eval")
     if len(prompts) < cfg.prompts_per_step:
         raise UserError(f"data.train: {len(prompts)} prompts, fewer than the {cfg.prompts_per_step} per step")
     return reward, prompts, eval_items

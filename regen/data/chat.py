@@ -1,0 +1,66 @@
+"""Chat-template prompts (data.chat_template): each held-out or training row becomes the text an
+instruct model expects, rendered by its tokenizer's own template with add_generation_prompt, so
+the model writes the assistant turn.
+
+A row is either {"prompt": "..."} (one user turn) or {"messages": [{"role": ..., "content": ...},
+...]} ending in a user turn; data.system_prompt puts a system turn first where a row has none.
+The rendered text becomes the prompt the policy samples from (tokenised without adding special
+tokens again: the template wrote them), and the row's messages stay in Sample.meta["messages"]
+for rewards that want the conversation (a reward model with its own template).
+"""
+
+from __future__ import annotations
+
+from regen.data import PromptItem
+from regen.errors import DataError, UserError
+
+
+def messages_of(row_prompt: str | None, meta: dict, where: str, i: int) -> list[dict]:
+    msgs = meta.get("messages")
+    if msgs is None:
+        if not isinstance(row_prompt, str):
+            raise DataError(f"{where}: row {i + 1} has neither 'prompt' (text) nor 'messages'")
+        return [{"role": "user", "content": row_prompt}]
+    if not isinstance(msgs, list) or not msgs or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs):
+        raise DataError(f"{where}: row {i + 1}: 'messages' must be a non-empty list of {{role, content}} strings")
+    if msgs[-1]["role"] != "user":
+        raise DataError(f"{where}: row {i + 1}: the last message is '{msgs[-1]['role']}'; it must be the user turn "
+                        "the model answers")
+    return [{"role": m["role"], "content": m["content"]} for m in msgs]
+
+
+def render(items: list[PromptItem], tokenizer, system_prompt: str | None, where: str) -> list[PromptItem]:
+    """Each item's prompt rendered with the tokenizer's chat template and add_generation_prompt."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError("data.chat_template: the model's tokenizer has no chat template (tokenizer_config.json "
+                        "'chat_template'); use an instruct model's folder, or data.chat_template: false")
+    out = []
+    for i, it in enumerate(items):
+        msgs = messages_of(it.prompt, it.meta, where, i)
+        if system_prompt is not None and msgs[0]["role"] != "system":
+            msgs = [{"role": "system", "content": system_prompt}, *msgs]
+        try:
+            text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001  (a Jinja error names what the template expected)
+            raise DataError(f"{where}: row {i + 1}: the chat template failed ({type(e).__name__}: {e})") from None
+        out.append(PromptItem(text, {**it.meta, "messages": msgs}))
+    return out
+
+
+def load_tokenizer(model_cfg, task_cfg):
+    """The tokenizer of model.path (or a built-in recipe) without loading the weights."""
+    if model_cfg.init is not None:
+        from regen.tasks.arithmetic import build_tokenizer
+
+        return build_tokenizer()
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    p = Path(model_cfg.path).expanduser()
+    try:
+        return AutoTokenizer.from_pretrained(str(p) if p.exists() else model_cfg.path)
+    except (OSError, ValueError) as e:
+        raise UserError(f"model.path: cannot load the tokenizer of '{model_cfg.path}': {str(e).splitlines()[0]}") \
+            from None
