@@ -73,7 +73,13 @@ def main() -> None:
     ap.add_argument("--work", help="Folder for the runs (default: a temporary folder).")
     ap.add_argument("--out", help="Write settings, eval points and the summary as JSON here.")
     ap.add_argument("--png", help="Plot reward and FID against steps here (needs matplotlib).")
+    ap.add_argument("--replot", metavar="JSON", help="Only draw --png again from an earlier --out file.")
     args = ap.parse_args()
+    if args.replot:
+        d = json.loads(Path(args.replot).read_text())
+        st = d["settings"]
+        plot(d["runs"], d["floor"], st["eval_prompts"] * st["eval_samples"], args.png)
+        return
     work = Path(args.work or tempfile.mkdtemp(prefix="quality_drift_"))
     print(f"git {git_describe()}  started {datetime.datetime.now():%Y-%m-%d %H:%M}  load {load_avg()}  "
           f"eval {args.eval_prompts} prompts x {args.eval_samples} samples, seed {args.seed}, {args.steps} steps")
@@ -109,22 +115,26 @@ def main() -> None:
         Path(args.out).write_text(json.dumps({"settings": vars(args), "git": git_describe(), "floor": fl,
                                               "runs": runs}, indent=1))
     if args.png:
-        import matplotlib
+        plot(runs, fl, n, args.png)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
 
-        fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
-        for name, r in runs.items():
-            a.plot(r["steps"], r["eval/reward"], marker="o", label=name)
-            b.plot(r["steps"], r["eval/fid"], marker="o", label=name)
-        b.axhline(fl["fid"]["mean"], color="grey", ls="--", label="floor (true vs true)")
-        a.set(xlabel="step", ylabel="held-out reward", title="reward")
-        b.set(xlabel="step", ylabel=f"FID to true drawings (N={n})", title="FID (lower is closer)")
-        b.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(args.png, dpi=110)
+def plot(runs: dict, fl: dict, n: int, png: str) -> None:
+    """Reward gained since step 0 (runs optimise differently scaled rewards) and FID, against steps."""
+    import matplotlib
 
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for name, r in runs.items():
+        a.plot(r["steps"], [x - r["eval/reward"][0] for x in r["eval/reward"]], marker="o", label=name)
+        b.plot(r["steps"], r["eval/fid"], marker="o", label=name)
+    b.axhline(fl["fid"]["mean"], color="grey", ls="--", label="floor (true vs true)")
+    a.set(xlabel="step", ylabel="held-out reward - step 0", title="reward gained (each run's own reward)")
+    b.set(xlabel="step", ylabel=f"FID to true drawings (N={n})", title="FID (lower is closer)")
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
 
 if __name__ == "__main__":
     main()

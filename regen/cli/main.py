@@ -65,6 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
         "from a fresh built-in model; the result in RUN_DIR/export is a base for `regen train`.",
     )
 
+    _config_verb(
+        sub, "rm", "Train a reward model on preference pairs (Bradley-Terry).",
+        "A scalar head on a causal LM (usually your SFT model), trained on {prompt, chosen, rejected}\n"
+        "rows so chosen scores above rejected; held-out pair accuracy at the start, every\n"
+        "eval.every steps and at the end. RUN_DIR/export is a sequence-classification folder: score\n"
+        "with it through the reward_model reward, in-process or `regen serve-reward --reward-model`.",
+    )
+
     ev = sub.add_parser(
         "eval", help="Score a checkpoint, a run or a model on held-out prompts.",
         description="Sample completions (language models) or images / videos (flow models) for held-out prompts,\n"
@@ -283,9 +291,24 @@ def cmd_sft(args) -> int:
     return 0
 
 
+def cmd_rm(args) -> int:
+    from regen.config import RMConfig
+
+    cfg = _load(RMConfig, args)
+    if cfg is None:
+        return 0
+    from regen.offline.rm import train_rm
+
+    summary = train_rm(cfg, resume=args.resume)
+    if not summary.get("stopped_early"):
+        _print_summary(summary)
+    return 0
+
+
 def _print_summary(summary: dict) -> None:
     before, after = summary.get("eval_before") or {}, summary.get("eval_after") or {}
-    for key in ("eval/accuracy", "eval/greedy_accuracy", "eval/reward", "eval/preference_accuracy"):
+    for key in ("eval/accuracy", "eval/greedy_accuracy", "eval/reward", "eval/preference_accuracy",
+                "eval/pair_accuracy"):
         if key not in after:
             continue
         name = "held-out " + key.removeprefix("eval/").replace("_", " ")
@@ -382,6 +405,6 @@ def cmd_rewards(args) -> int:
 
 
 VERBS = {
-    "train": cmd_train, "sft": cmd_sft, "eval": cmd_eval, "export": cmd_export,
+    "train": cmd_train, "sft": cmd_sft, "rm": cmd_rm, "eval": cmd_eval, "export": cmd_export,
     "serve-reward": cmd_serve_reward, "rewards": cmd_rewards, "report": cmd_report, "status": cmd_status,
 }

@@ -20,8 +20,11 @@ def add_serve_parser(sub) -> None:
         "https (--ssl-certfile, --ssl-keyfile) unless --insecure-http says the network is trusted.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sv.add_argument("--reward", action="append", required=True, metavar="NAME",
+    sv.add_argument("--reward", action="append", default=None, metavar="NAME",
                     help="Reward to serve (repeatable; the first is the default of requests).")
+    sv.add_argument("--reward-model", metavar="PATH",
+                    help="Serve the learned reward model in PATH (a sequence-classification folder, e.g. a `regen rm` "
+                    "export) as 'reward_model'; same as --reward reward_model --reward-args '{path: PATH}'.")
     sv.add_argument("--reward-args", action="append", default=None, metavar="YAML",
                     help="Arguments of the --reward at the same position, as a YAML mapping, e.g. --reward clip_score "
                     "--reward-args '{model: /models/clip}' (`regen rewards` lists each reward's arguments).")
@@ -90,6 +93,14 @@ def cmd_serve_reward(args) -> int:
         print(f"warning: serving without authentication on {args.host}", file=sys.stderr)
     from regen.cli.eval import _reward_args
 
+    if args.reward_model:
+        import json
+
+        args.reward = [*(args.reward or []), "reward_model"]
+        args.reward_args = [*(args.reward_args or []), *["{}"] * (len(args.reward) - 1 - len(args.reward_args or [])),
+                            json.dumps({"path": args.reward_model})]
+    if not args.reward:
+        raise UserError("serve-reward: name at least one --reward (or --reward-model PATH)")
     if args.reward_args and len(args.reward_args) > len(args.reward):
         raise UserError("--reward-args: each one goes with the --reward before it (more --reward-args than --reward)")
     reward_args = {name: _reward_args(args.reward_args, i) for i, name in enumerate(args.reward)}

@@ -12,6 +12,7 @@ from regen.rewards import (
     clip,  # noqa: F401  (clip_score, pickscore, aesthetic: local CLIP models)
     image,  # noqa: F401  (image/video rewards, "binary" and "pairwise")
     math,  # noqa: F401  (math_equal: verifiable answers, math-verify in a worker process)
+    reward_model,  # noqa: F401  (reward_model: a local sequence-classification model)
 )
 from regen.rewards.base import REGISTRY, CombinedReward, Sample, register, resolve
 
