@@ -49,6 +49,12 @@ class HealthConfig(Section):
     stall_alert_s: float = Field(
         3600.0, gt=0.0, description="Alert when no checkpoint has been written for this many seconds."
     )
+    hacking_metric: str | None = Field(
+        None, description="A held-out metric that measures what the reward stands for (e.g. accuracy with a learned "
+        "reward model, adherence_accuracy for images): at each evaluation, a reward_hacking alert when eval/reward is "
+        "above its value at the evaluation where this metric peaked while the metric fell by more than hacking_drop.")
+    hacking_drop: float = Field(0.05, gt=0.0, description="Fall of health.hacking_metric from its peak (absolute) "
+                                "that, with a higher eval/reward, raises reward_hacking.")
     webhook_url: str | None = Field(None, description="POST every alert as JSON to this URL (in the background).")
     reward_patience_s: float = Field(
         600.0, gt=0.0, description="While a reward service is down (its client's circuit breaker open), the loop "

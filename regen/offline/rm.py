@@ -149,8 +149,9 @@ def train_rm(cfg: RMConfig, resume: bool = False) -> dict:
             lr = lr_at(step, cfg.optim, s.steps)
             gn = sft_step(opt, loss, params, lr, s.grad_clip)
             dt = time.perf_counter() - t0
-            metrics = {"loss": loss.item(), "accuracy": float((rc > rr).float().mean()),
-                       "margin": float((rc - rr).mean()), "grad_norm": float(gn), "lr": lr, "time/step_s": dt,
+            diff = (rc - rr).detach()
+            metrics = {"loss": loss.item(), "accuracy": float((diff > 0).float().mean()), "margin": float(diff.mean()),
+                       "grad_norm": float(gn), "lr": lr, "time/step_s": dt,
                        "throughput/pairs_per_s": len(idx) / dt}
             if cfg.eval.every and step % cfg.eval.every == 0 and step != s.steps:
                 metrics.update(evaluate(step))

@@ -30,6 +30,7 @@ from regen.quality import Quality, gates
 from regen.runtime import checkpoint as ckpt
 from regen.runtime import dist as rdist
 from regen.runtime.alerts import Alerts
+from regen.runtime.hacking import earlier_evals, hacking
 from regen.runtime.health import HealthMonitor
 from regen.runtime.metrics import MetricsLogger
 from regen.runtime.offload import PhaseHooks, loop_hooks
@@ -78,6 +79,7 @@ class Run:
     expected_versions: dict | None = None  # reward versions of the checkpoint resumed (alert when they change)
     unscored: int = 0  # consecutive steps in which no sample got a score
     quality: Quality | None = None  # eval.metrics: feature extractor and references, loaded once
+    evals: list[dict] | None = None  # the evaluations so far (health.hacking_metric), rebuilt from metrics.jsonl
 
     @classmethod
     def start(cls, cfg: RLConfig, resume: bool = False, force: bool = False) -> Run:
@@ -133,7 +135,8 @@ class Run:
         hooks = loop_hooks(cfg.train.offload, device, [opt, *optimizers], idle)
         return cls(cfg, run_dir, m, opt, data, gen, reward, prompts, eval_items, log, alerts, health, start_step,
                    rollout, d, Precision(cfg.train.precision, device), hooks, mirror,
-                   state["state"].get("reward_versions") if state else None, quality=quality)
+                   state["state"].get("reward_versions") if state else None, quality=quality,
+                   evals=earlier_evals(run_dir) if state is not None and d.main else [])
 
     # ------------------------------------------------------------------ each step
 
@@ -222,6 +225,12 @@ class Run:
         failed = gates.failed(e.gates, metrics)
         if failed:
             self.alerts.fire(step, "eval_gate_failed", "evaluation failed its gates: " + "; ".join(failed))
+        h = self.cfg.health
+        if h.hacking_metric and self.dist.main:
+            self.evals = [r for r in (self.evals or []) if r["step"] < step] + [{"step": step, **metrics}]
+            message = hacking(self.evals, h.hacking_metric, h.hacking_drop)
+            if message:
+                self.alerts.fire(step, "reward_hacking", message)
         return metrics
 
     # ------------------------------------------------------------------ books
