@@ -107,6 +107,8 @@ def test_every_example_config_loads_with_every_key_read(path):
     """What users copy must load as written: a typo or a key its method ignores would be refused."""
     import yaml
 
+    from regen.config import RMConfig
+
     tree = yaml.safe_load(path.read_text())
-    kind = SFTConfig if "sft" in tree else RLConfig
+    kind = SFTConfig if "sft" in tree else RMConfig if "rm" in tree else RLConfig
     load_config(kind, str(path))

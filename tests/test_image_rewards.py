@@ -52,9 +52,12 @@ def drawn(metas: list[dict], seed: int) -> list[np.ndarray]:
 
 
 @pytest.fixture(scope="session")
-def cache(tmp_path_factory) -> Path:
-    """The shipped classifiers (default settings), trained once per session into a tmp cache."""
-    root = tmp_path_factory.mktemp("regen-cache")
+def cache() -> Path:
+    """The shipped classifiers (default settings) in the cache every run uses ($REGEN_CACHE, else
+    ~/.cache/regen): the flow tests load them from there too, so a session trains each at most
+    once (a second cache of their own cost 14 s). The cache logic itself is tested on tiny
+    classifiers in tmp folders below."""
+    root = adh.cache_dir().parent
     for kind in ("image", "video"):
         adh.load(kind, root=root)
     return root

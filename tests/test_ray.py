@@ -1,5 +1,6 @@
 """distributed.mode=ray on a private local Ray: 2 rollout actors, 1 reward actor and the trainer."""
 
+import shutil
 import threading
 import time
 
@@ -69,12 +70,16 @@ def test_one_step_off_policy_never_exceeds_the_bound(base_model, tmp_path):
     # step 1 and the step after a checkpoint (the batch sampled ahead is dropped at a checkpoint so
     # the saved state resumes exactly) use current weights; the others were sampled during the update
     assert lags == [0, 1, 0, 1, 0]
-    # a run stopped at the step-2 checkpoint and resumed continues exactly: the batch it had sampled
-    # ahead was dropped and its prompts and randomness rewound when the checkpoint was written
+    # the same run stopped right after its step-2 checkpoint (a copy without the later checkpoints)
+    # and resumed continues exactly: the batch it had sampled ahead was dropped and its prompts and
+    # randomness rewound when the checkpoint was written
     again = tmp_path / "again"
-    common = [f"model.path={base_model}", f"run.dir={again}", *LEARN, *RAY, "distributed.max_staleness=1"]
-    assert main(["train", *common, "train.steps=2"]) == 0
-    assert main(["train", *common, "train.steps=5", "checkpoint.every=2"]) == 0
+    shutil.copytree(run, again)
+    for later in ("step_00000004", "step_00000005"):
+        shutil.rmtree(again / "checkpoints" / later)
+    shutil.rmtree(again / "export")
+    assert main(["train", f"model.path={base_model}", f"run.dir={again}", *LEARN, *RAY, "train.steps=5",
+                 "distributed.max_staleness=1", "checkpoint.every=2"]) == 0
     strip = lambda rows: [r["reward/mean"] for r in rows]  # noqa: E731
     assert strip(read_jsonl(again / "metrics.jsonl")) == strip(read_jsonl(run / "metrics.jsonl"))
 

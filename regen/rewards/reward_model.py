@@ -71,10 +71,10 @@ def score_batches(model, pad_id: int, ids: list[list[int]], batch_tokens: int, d
 class RewardModel:
     """Score of a learned reward model (a local AutoModelForSequenceClassification folder with one output).
 
-    args: path (required), device ('cpu'), dtype ('float32'), max_length (1024 tokens; longer
-    loses tokens from the start), batch_tokens (16384 padded tokens per forward), chat_template
-    ('auto': the RM tokenizer's template when it has one; true; false), normalize (False:
-    running mean/std). A sample with an empty completion is still scored.
+    args: path (required: a local folder, or a hub id where a network exists), device ('cpu'),
+    dtype ('float32'), max_length (1024 tokens; longer loses tokens from the start), batch_tokens
+    (16384 padded tokens per forward), chat_template ('auto': the RM tokenizer's template when it
+    has one; true; false), normalize (False: running mean/std). An empty completion is scored too.
     """
 
     def __init__(self, path: str = "", device: str = "cpu", dtype: str = "float32", max_length: int = 1024,
@@ -85,10 +85,12 @@ class RewardModel:
 
         if not path:
             raise ConfigError("reward_model: args.path is required (a local sequence-classification model folder)")
+        from regen.policies.lm import _looks_local
+
         folder = Path(path).expanduser()
-        if not (folder / "config.json").is_file():
-            raise ConfigError(f"reward_model: args.path '{folder}' is not a model folder (no config.json; nothing is "
-                              "downloaded)")
+        hub = not folder.exists() and not _looks_local(path)  # 'org/name', where a network or a hub cache exists
+        if not hub and not (folder / "config.json").is_file():
+            raise ConfigError(f"reward_model: args.path '{folder}' is not a model folder (no config.json in it)")
         if dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"reward_model: args.dtype '{dtype}': float32, bfloat16 or float16")
         if max_length < 2 or batch_tokens < max_length:
@@ -97,8 +99,9 @@ class RewardModel:
         verbosity = logging.get_verbosity()
         logging.set_verbosity_error()
         try:
-            self.tok = AutoTokenizer.from_pretrained(str(folder))
-            self.model = AutoModelForSequenceClassification.from_pretrained(str(folder), dtype=getattr(torch, dtype))
+            source = path if hub else str(folder)
+            self.tok = AutoTokenizer.from_pretrained(source)
+            self.model = AutoModelForSequenceClassification.from_pretrained(source, dtype=getattr(torch, dtype))
         except (OSError, ValueError) as e:
             raise ConfigError(f"reward_model: cannot load '{folder}': {str(e).splitlines()[0]}") from None
         finally:
