@@ -3,6 +3,7 @@ the math against numbers worked by hand from the paper's equations, and the meth
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -149,6 +150,10 @@ def test_pairwise_judge_trains_and_evaluates_against_the_base(flow_base, tmp_pat
     assert all(w == pytest.approx(0.5) for w in train)  # the mean win rate inside a group is 1/2 by symmetry
     evals = [r["eval/reward"] for r in rows if "eval/reward" in r]
     assert evals[0] == 0.5 and evals[-1] != 0.5  # against the starting model: a tie at step 0, then not
+    # `regen eval` judges the same way, so it gives the run's own last evaluation
+    out = run / "eval" / "offline.json"
+    assert main(["eval", str(run), "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["metrics"]["reward"] == pytest.approx(evals[-1], rel=1e-9)
     # a judge alone is not a reward
     assert flow_rl(tmp_path / "q", flow_base, "dgpo", "reward=[{name: 'tests.test_dgpo:brightness_judge'}]") == 2
     assert "is a pairwise judge" in capsys.readouterr().err

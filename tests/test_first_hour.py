@@ -73,7 +73,7 @@ def test_wandb_mode_from_the_environment_and_a_failed_tracker_leaves_nothing(bas
     mlruns = tmp_path / "mlruns"
     done = regen(*args, "run.dir=b", "log.wandb={project: p}", f"log.mlflow={{tracking_uri: 'file://{mlruns}', "
                  "experiment: e}", cwd=tmp_path, env={"WANDB_BASE_URL": "http://127.0.0.1:9", "WANDB_API_KEY": "a" * 40,
-                                                      "WANDB_INIT_TIMEOUT": "3"})
+                                                      "WANDB_INIT_TIMEOUT": "1"})
     assert done.returncode == 2 and "log.wandb: cannot start" in done.stderr, done.stderr
     from mlflow.tracking import MlflowClient
 

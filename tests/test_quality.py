@@ -206,6 +206,24 @@ def test_a_wrong_metric_setting_stops_the_run_before_its_directory_exists(flow_b
     assert not run.exists()
 
 
+def test_shapes_settings_with_other_prompts_are_refused_before_the_run(flow_base, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "a cat"}\n{"prompt": "a dog"}\n')
+    run = tmp_path / "run"
+    base = [*FLOW, f"model.path={flow_base}", f"run.dir={run}", f"data.eval={prompts}", "eval.metrics=[fid]"]
+    assert main(base) != 0
+    assert "need eval.reference" in capsys.readouterr().err and not run.exists()
+    assert main([*base, f"eval.reference={tmp_path}"]) != 0  # (a folder with no images is refused first)
+    capsys.readouterr()
+    (tmp_path / "imgs").mkdir()
+    from PIL import Image
+
+    for i in range(2):
+        Image.new("RGB", (16, 16), (i * 100, 0, 0)).save(tmp_path / "imgs" / f"{i}.png")
+    assert main([*base, f"eval.reference={tmp_path / 'imgs'}"]) != 0
+    assert "eval.features=shapes is the built-in shapes classifier" in capsys.readouterr().err and not run.exists()
+
+
 def test_clip_score_is_the_cosine_of_the_models_own_embeddings(tiny_clip):
     from transformers import CLIPModel, CLIPProcessor
 

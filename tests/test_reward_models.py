@@ -29,7 +29,8 @@ def _forward(folder, images: list[np.ndarray], texts: list[str]):
     inputs = proc(text=texts, images=images, return_tensors="pt", padding=True)
     with torch.no_grad():
         out = model(**inputs)
-    return out.logits_per_image.diagonal() / model.logit_scale.exp(), out.image_embeds, float(model.logit_scale.exp())
+    scale = model.logit_scale.detach().exp()
+    return out.logits_per_image.diagonal() / scale, out.image_embeds, float(scale)
 
 
 def _build(name: str, **args):

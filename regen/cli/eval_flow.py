@@ -89,11 +89,26 @@ def run_flow(args, source, cfg, config_path, terms, e) -> dict:
         return to_samples(p, out, items, n)
 
     samples = sample(policy)
-    if e.reference == "base" and quality:
-        quality.set_base(np.stack([x.media for x in sample(_policy(source, cfg, device, base=True))]))
     metrics: dict[str, float] = {}
     rewards: list = [None] * len(samples)
-    if reward is not None:
+    base = None
+    if e.reference == "base" and quality or cfg is not None and cfg.algorithm.reward_type == "pairwise":
+        base = sample(_policy(source, cfg, device, base=True))  # the starting model, same prompts and noise
+    if e.reference == "base" and quality:
+        quality.set_base(np.stack([x.media for x in base]))
+    if reward is not None and cfg is not None and cfg.algorithm.reward_type == "pairwise":
+        # as the run evaluates: each sample judged against the starting model's on the same prompt and
+        # noise (a win rate within a group of its own samples would be 1/2 by symmetry)
+        from regen.rewards import Sample
+
+        pairs = [Sample(x.prompt, x.completion, {**x.meta, "pair": i}, x.finished, x.media)
+                 for i, both in enumerate(zip(samples, base)) for x in both]
+        total, parts = reward(pairs)
+        total, parts = total[0::2], {k: v[0::2] for k, v in parts.items()}
+        rewards = [None if t is None or not math.isfinite(t) else float(t) for t in total]
+        metrics["reward"] = _mean(total)
+        metrics |= {f"reward/{k}": _mean(v) for k, v in parts.items()}
+    elif reward is not None:
         total, parts = reward(samples)
         rewards = [None if t is None or not math.isfinite(t) else float(t) for t in total]
         metrics["reward"] = _mean(total)

@@ -46,6 +46,9 @@ def sft_flow(cfg: SFTConfig, resume: bool = False) -> dict:
     if cfg.model.lora is not None:
         raise UserError("model.lora: flow-matching pretraining (regen sft) trains every weight; LoRA is for "
                         "`regen train` of a flow model")
+    if cfg.eval.reference == "base":
+        raise UserError("eval.reference=base measures drift from the starting model during RL; flow pretraining "
+                        "starts from noise: use eval.reference=shapes (the true drawings) or a folder of images")
     quality = Quality(cfg.eval, "flow", cfg.run.seed)  # a wrong metric setting stops before the run dir
     run_dir, resume = prepare(cfg.run.dir, cfg.run.overwrite, resume)
     quality.base_file = run_dir / "eval" / "base_reference.npz"

@@ -81,6 +81,18 @@ class Quality:
             load = hf_reference if str(e.reference).startswith("hf:") else folder_reference
             self._ref_media = load(e.reference)
 
+    def check_items(self, items) -> None:
+        """UserError now, before any step, for settings the held-out rows cannot serve: the shapes
+        features or references with prompts that are not the built-in shapes task's."""
+        shapes = bool(items) and all("colour" in it.meta for it in items)
+        needs = [n for n in self.names if n in DISTRIBUTION + ALIGNED]
+        if needs and not shapes and self.e.reference in (None, "shapes"):
+            raise UserError(f"eval.metrics {', '.join(needs)} need eval.reference (base, a folder of images or "
+                            "hf:NAME[:SPLIT]): 'shapes' draws only the built-in shapes prompts")
+        if any(n in DISTRIBUTION for n in self.names) and not shapes and self.e.features == "shapes":
+            raise UserError("eval.features=shapes is the built-in shapes classifier, for the shapes task's images; "
+                            "set eval.features to clip:PATH or inception:PATH for these prompts")
+
     def __bool__(self) -> bool:
         return bool(self.names)
 

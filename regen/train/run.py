@@ -89,6 +89,8 @@ class Run:
         check_placement(cfg, d)
         reward, prompts, eval_items = run_inputs(cfg)
         quality = Quality(cfg.eval, cfg.modality, cfg.run.seed, device=str(device))  # a wrong path stops here
+        if eval_items:
+            quality.check_items(eval_items)
         if cfg.distributed.mode == "ray":  # the cluster and its resources, before the run directory is touched
             from regen.placement.ray import start_ray
 
