@@ -13,7 +13,8 @@ step (rollout.global_batch_size). The only overrides: model.path, run.dir, run.s
 eval.num_prompts and eval.samples_per_prompt (--eval-prompts, default all 12 held-out prompts, x
 --eval-samples, default 32: 384 ODE samples per evaluation, on noise fixed per seed),
 checkpoint.every=0, log.progress=none, log.tensorboard=false, run.overwrite=true, run.threads=2
-where the config sets no thread count, and when asked train.steps (--steps) and optim.lr (--lr).
+where the config sets no thread count, and when asked train.steps (--steps), optim.lr (--lr) and any
+key of one method (--set nft:train.ppo_epochs=2, repeatable).
 
 Measures, from each run's metrics.jsonl: held-out reward (`eval/reward`) and prompt adherence
 (`eval/adherence_accuracy`: the fraction of samples whose colour, shape and position or motion the
@@ -234,6 +235,8 @@ def main() -> None:
     p.add_argument("--eval-samples", type=int, default=32, help="eval.samples_per_prompt (default 32: 12 x 32 = 384)")
     p.add_argument("--only", help="comma-separated subset of: " + ",".join(METHODS))
     p.add_argument("--lr", help="optim.lr overrides, e.g. nft=3e-4,awm=3e-4 (default: each config's own)")
+    p.add_argument("--set", action="append", default=[], metavar="METHOD:KEY=VALUE",
+                   help="an extra override for one method's runs, e.g. nft:train.ppo_epochs=2 (repeatable)")
     p.add_argument("--target", type=float, help="eval/reward to reach (default: Flow-GRPO's mean final eval/reward)")
     p.add_argument("--png", default=str(ROOT / "docs" / "flow_methods.png"), help="figure (default docs/flow_methods.png)")
     p.add_argument("--out", help="write settings, every run's curves and the summary as JSON here")
@@ -244,6 +247,9 @@ def main() -> None:
     if a.seeds < 1 or a.eval_samples < 1 or (a.eval_prompts is not None and a.eval_prompts < 1):
         p.error("--seeds, --eval-prompts and --eval-samples must be >= 1")
     lrs = parse_lr(a.lr, p)
+    for kv in a.set:
+        if ":" not in kv or "=" not in kv or kv.split(":", 1)[0] not in METHODS:
+            p.error(f"--set {kv}: write METHOD:KEY=VALUE with METHOD one of {list(METHODS)}")
     configs = {}
     for name in wanted:
         path = ROOT / "examples" / f"{PREFIX[a.task]}_{name}.yaml"
@@ -298,6 +304,7 @@ def main() -> None:
                     f"eval.num_prompts={n_prompts}", f"eval.samples_per_prompt={a.eval_samples}", *extra[name]]
             if a.steps is not None:
                 sets.append(f"train.steps={a.steps}")
+            sets += [kv.split(":", 1)[1] for kv in a.set if kv.split(":", 1)[0] == name]
             if name in lrs:
                 sets.append(f"optim.lr={lrs[name]}")
             print(f"[{len(runs) + 1}/{a.seeds * len(names)}] {METHODS[name]} seed {seed}: {configs[name].relative_to(ROOT)} "

@@ -165,3 +165,8 @@ def test_pairs_from_samples(tmp_path):
     subprocess.run([sys.executable, str(ROOT / "scripts" / "pairs_from_samples.py"), str(tmp_path / "e.json"),
                     str(tmp_path / "p.jsonl")], check=True, capture_output=True)
     assert read_jsonl(tmp_path / "p.jsonl") == [{"prompt": "1+1=", "chosen": "2", "rejected": "3", "answer": "2"}]
+
+
+def test_the_rm_demo_says_what_it_does_first():
+    done = subprocess.run(["bash", "scripts/demo_rm.sh", "--plan"], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0 and "reward model" in done.stdout and "load average here is now" in done.stdout
