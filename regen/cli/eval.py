@@ -337,3 +337,4 @@ def cmd_eval(args) -> int:
             grid = write_grid(media, out)
             print(f"wrote {grid}", file=sys.stderr if args.json else sys.stdout)
     return 0
+

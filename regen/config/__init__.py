@@ -13,6 +13,7 @@ from pydantic import Field, field_validator, model_validator
 
 from regen.config.base import Section
 from regen.config.dist import DistributedConfig
+from regen.config.eval import EvalConfig
 from regen.config.methods import CLIP_DEFAULTS, METHODS, CriticConfig, FlowConfig, OverlongConfig
 from regen.config.ops import (  # noqa: F401  (re-exported: regen.config is the one place to import from)
     CheckpointConfig,
@@ -248,59 +249,6 @@ class RewardTerm(Section):
     args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the function.")
 
 
-class EvalConfig(Section):
-    every: int = Field(0, ge=0, description="Evaluate every N steps; 0 = only before the first and after the last.")
-    num_prompts: int = Field(256, ge=1, description="Held-out prompts per evaluation (first N of data.eval).")
-    samples_per_prompt: int = Field(1, ge=1, description="Completions sampled per held-out prompt.")
-    temperature: float | None = Field(None, gt=0.0, description="Eval temperature; null = rollout.temperature.")
-    greedy: bool = Field(False, description="Also report greedy (argmax) accuracy.")
-    batch_size: int = Field(256, ge=1, description="Prompts per generation batch during eval.")
-    metrics: list[str] = Field(
-        default_factory=list, description="Quality metrics of the held-out samples, logged as eval/NAME beside the "
-        "reward. Images/videos: fid, kid, precision_recall (eval/precision, eval/recall), ssim, psnr (against "
-        "eval.reference), temporal_ssim (videos), clip_score (eval.clip_model). Text: bleu4, chrf, exact_match "
-        "(against each row's 'reference', else 'answer'), length. See docs/evaluation.md.")
-    reference: str | None = Field(
-        None, description="What fid/kid/precision_recall/ssim/psnr compare with: 'shapes' (the built-in task's own "
-        "drawings of the held-out prompts), 'base' (the starting model's samples: drift), a folder of images, or "
-        "hf:NAME[:SPLIT] (an 'image' column). null = shapes for the built-in shapes prompts.")
-    features: str = Field(
-        "shapes", description="Feature space of fid/kid/precision_recall: 'shapes' (the built-in shapes classifier), "
-        "'clip:PATH' (a local CLIPModel folder) or 'inception:PATH' (FID's Inception-v3 weights file; needs "
-        "torch-fidelity). Nothing is downloaded.")
-    clip_model: str | None = Field(None, description="Local CLIPModel folder (with tokenizer and image processor) for "
-                                   "eval.metrics clip_score.")
-    metric_samples: int | None = Field(
-        None, ge=2, description="Compute eval.metrics on the first N held-out samples only (their cost); null = all "
-        "num_prompts x samples_per_prompt. FID is biased upward at small N: compare runs at the same N.")
-    gates: dict[str, str] = Field(
-        default_factory=dict, description="Acceptance thresholds on eval metrics (names without 'eval/'), e.g. "
-        "{fid: '<= 15', bleu4: '>= 0.3', reward: '> 0.5'}. Each evaluation logs eval/gate/NAME and eval/gates_passed, "
-        "a failed gate raises an alert, and `regen export --require-gates` refuses a checkpoint whose evaluation "
-        "failed.")
-
-    @field_validator("metrics")
-    @classmethod
-    def _known_metrics(cls, v: list[str]) -> list[str]:
-        from regen.quality import check_names
-
-        check_names(v)
-        if len(set(v)) != len(v):
-            raise ValueError(f"eval.metrics: {v} names a metric twice")
-        return v
-
-    @field_validator("gates", mode="before")
-    @classmethod
-    def _gate_rules(cls, v: Any) -> Any:
-        from regen.quality.gates import parse
-
-        if isinstance(v, dict):
-            v = {str(k): str(r) for k, r in v.items()}
-            for k, r in v.items():
-                parse(k, r)
-        return v
-
-
 # --------------------------------------------------------------------------- roots
 
 
@@ -439,55 +387,6 @@ class SFTConfig(Section):
         return self
 
 
-class RMStepsConfig(Section):
-    steps: int = Field(300, ge=1, description="Optimizer steps.")
-    global_batch_size: int = Field(32, ge=1, description="Preference pairs per optimizer step.")
-    grad_clip: float = Field(1.0, ge=0.0, description="Max global gradient norm; 0 disables clipping.")
-    margin: float = Field(0.0, description="Bradley-Terry margin m: loss -log sigmoid(r_chosen - r_rejected - m) "
-                          "(Llama 2's reward model, Touvron et al. 2023, eq. 2); 0 = the plain Bradley-Terry loss.")
-    max_length: int = Field(1024, ge=2, description="Tokens per scored sequence; longer ones lose tokens from the "
-                            "start, as the reward_model reward does when it scores.")
-
-
-class RMEvalConfig(Section):
-    every: int = Field(0, ge=0, description="Held-out pair accuracy every N steps; 0 = before the first and after the "
-                       "last step only.")
-    gates: dict[str, str] = Field(
-        default_factory=dict, description="Thresholds on eval metrics (pair_accuracy, margin), e.g. {pair_accuracy: "
-        "'>= 0.7'}: logged as eval/gate/NAME and eval/gates_passed; `regen export --require-gates` reads them.")
-
-    @field_validator("gates", mode="before")
-    @classmethod
-    def _gate_rules(cls, v: Any) -> Any:
-        return EvalConfig._gate_rules(v)
-
-
-class RMConfig(Section):
-    """`regen rm`: train a reward model on preference pairs."""
-
-    run: RunConfig = Field(default_factory=lambda: RunConfig(dir="runs/rm"))
-    model: ModelConfig = Field(description="Starting point: a causal LM folder (usually the SFT model; a new scalar "
-                               "head is added), a sequence-classification folder, or model.init.")
-    data: DataConfig = Field(default_factory=lambda: DataConfig(train="builtin:arithmetic:train",
-                                                                eval="builtin:arithmetic:test"),
-                             description="Pairs {prompt, chosen, rejected}, as for DPO.")
-    task: TaskConfig = Field(default_factory=TaskConfig)
-    rm: RMStepsConfig = Field(default_factory=RMStepsConfig)
-    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-4))
-    eval: RMEvalConfig = Field(default_factory=RMEvalConfig)
-    checkpoint: CheckpointConfig = Field(default_factory=lambda: CheckpointConfig(every=0))
-    log: LogConfig = Field(default_factory=lambda: LogConfig(every=20))
-
-    @model_validator(mode="after")
-    def _supported(self) -> RMConfig:
-        if self.model.lora is not None:
-            raise ValueError("model.lora: `regen rm` trains every weight of the reward model")
-        if self.data.chat_template or self.data.system_prompt is not None:
-            raise ValueError("data.chat_template / data.system_prompt: `regen rm` renders each pair with the model "
-                             "tokenizer's own chat template when it has one (as the reward_model reward scores)")
-        return self
-
-
 # Loading lives in its own module; re-exported here so `regen.config` is the one place to import from.
 from regen.config.load import (  # noqa: E402,F401
     config_hash,
@@ -500,3 +399,4 @@ from regen.config.load import (  # noqa: E402,F401
     redact,
     resolved_tree,
 )
+from regen.config.rm import RMConfig, RMEvalConfig, RMStepsConfig  # noqa: E402,F401  (`regen rm`)
