@@ -170,3 +170,12 @@ def test_pairs_from_samples(tmp_path):
 def test_the_rm_demo_says_what_it_does_first():
     done = subprocess.run(["bash", "scripts/demo_rm.sh", "--plan"], cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert done.returncode == 0 and "reward model" in done.stdout and "load average here is now" in done.stdout
+
+
+def test_a_misspelt_hacking_metric_is_alerted(base_model, tmp_path):
+    run = tmp_path / "r"
+    assert main(["train", f"model.path={base_model}", f"run.dir={run}", "train.steps=1", "rollout.global_batch_size=8",
+                 "rollout.group_size=4", "eval.num_prompts=8", "health.hacking_metric=acuracy", "log.progress=none",
+                 "log.tensorboard=false"]) == 0
+    alerts = [a for a in read_jsonl(run / "alerts.jsonl") if a["kind"] == "hacking_metric_missing"]
+    assert alerts and "'acuracy' is not an eval metric" in alerts[0]["message"] and "accuracy" in alerts[0]["message"]

@@ -229,6 +229,10 @@ class Run:
             self.alerts.fire(step, "eval_gate_failed", "evaluation failed its gates: " + "; ".join(failed))
         h = self.cfg.health
         if h.hacking_metric and self.dist.main:
+            if f"eval/{h.hacking_metric}" not in metrics:  # a misspelt name would otherwise watch nothing
+                have = ", ".join(sorted(k.removeprefix("eval/") for k in metrics if not k.startswith("eval/gate")))
+                self.alerts.fire(step, "hacking_metric_missing", f"health.hacking_metric '{h.hacking_metric}' is not "
+                                 f"an eval metric of this run (it has: {have}): nothing is watched")
             self.evals = [r for r in (self.evals or []) if r["step"] < step] + [{"step": step, **metrics}]
             message = hacking(self.evals, h.hacking_metric, h.hacking_drop)
             if message:
