@@ -67,7 +67,6 @@ def train_dpo(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
     eval_items = load_prompts(cfg.data.eval, cfg.task, "data.eval", skip, cfg.data.columns) if cfg.data.eval else []
     quality = Quality(cfg.eval, "lm", cfg.run.seed)  # a wrong metric setting stops before the run dir
     run_dir, resume = prepare(cfg.run.dir, cfg.run.overwrite, resume)
-    quality.base_file = run_dir / "eval" / "base_reference.npz"
     setup_torch(cfg.run.threads, cfg.run.seed)
     state = ckpt.load_latest(run_dir) if resume else None
 

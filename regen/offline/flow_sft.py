@@ -51,7 +51,6 @@ def sft_flow(cfg: SFTConfig, resume: bool = False) -> dict:
                         "starts from noise: use eval.reference=shapes (the true drawings) or a folder of images")
     quality = Quality(cfg.eval, "flow", cfg.run.seed)  # a wrong metric setting stops before the run dir
     run_dir, resume = prepare(cfg.run.dir, cfg.run.overwrite, resume)
-    quality.base_file = run_dir / "eval" / "base_reference.npz"
     setup_torch(cfg.run.threads, cfg.run.seed)
     state = ckpt.load_latest(run_dir) if resume else None
     policy = load_flow_policy(ckpt.resumed_model(cfg.model, state), cfg.run.seed, device)

@@ -54,7 +54,6 @@ def sft(cfg: SFTConfig, resume: bool = False) -> dict:
     eval_items = load_prompts(cfg.data.eval, cfg.task, "data.eval", skip_bad, cfg.data.columns) if cfg.data.eval else []
     quality = Quality(cfg.eval, "lm", cfg.run.seed)  # a wrong metric setting stops before the run dir
     run_dir, resume = prepare(cfg.run.dir, cfg.run.overwrite, resume)
-    quality.base_file = run_dir / "eval" / "base_reference.npz"
     setup_torch(cfg.run.threads, cfg.run.seed)
     state = ckpt.load_latest(run_dir) if resume else None
     model, tok = load_model_and_tokenizer(ckpt.resumed_model(cfg.model, state), cfg.task, cfg.run.seed)

@@ -51,7 +51,7 @@ def uses_reference(names: list[str]) -> bool:
 class Quality:
     """eval.metrics for one run (or one `regen eval`): call it on the held-out samples."""
 
-    def __init__(self, e, modality: str, seed: int = 0, run_dir: Path | None = None, device: str = "cpu"):
+    def __init__(self, e, modality: str, seed: int = 0, device: str = "cpu"):
         self.names, self.e, self.seed, self.device = list(e.metrics), e, seed, device
         wrong = [n for n in self.names if n in (TEXT if modality == "flow" else MEDIA)]
         if wrong:
@@ -60,7 +60,9 @@ class Quality:
                             f"{'an image/video flow model' if modality == 'flow' else 'a language model'}")
         if "clip_score" in self.names and not e.clip_model:
             raise UserError("eval.metrics: clip_score needs eval.clip_model, a local CLIPModel folder")
-        self.base_file = None if run_dir is None else Path(run_dir) / "eval" / "base_reference.npz"
+        # eval.reference=base: where a run keeps its starting model's samples (set by Run.start; None
+        # keeps them in memory only, as the offline trainers, whose text metrics never read them)
+        self.base_file: Path | None = None
         self.write_base = True  # under torchrun only rank 0 writes it; every rank reads it on resume
         self._features = None
         self._ref_media: np.ndarray | None = None
