@@ -126,7 +126,9 @@ def test_micro_batches_and_the_clip_and_kl_leave_the_update_unchanged(flow_base,
     for x, y in rows:
         for k in ("loss", "kl", "weight_mean"):
             assert y[k] == pytest.approx(x[k], rel=1e-4, abs=1e-8), k
-        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4)
+        # the gradient is summed in another order over micro-batches (and oneDNN picks convolution
+        # kernels by batch size): float32 noise of ~1e-4, while a wrong micro-batch scaling is >= 2x
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-3)
 
 
 def test_binary_labels_are_nft_optimality_as_they_are(flow_base, tmp_path):
