@@ -84,15 +84,32 @@ FLOW_FAST = ["data.train=builtin:shapes:train", "data.eval=null", "rollout.globa
              "run.threads=2", "algorithm.name=nft", BRIGHT]
 
 
+VLM_FAST = ["data.train=builtin:shapes-vqa:train", "data.eval=null", "rollout.global_batch_size=16",
+            "rollout.group_size=4", "rollout.max_new_tokens=2", "log.progress=none", "log.tensorboard=false",
+            "optim.lr=1e-3", "run.threads=2", "reward=[{name: exact_match}]"]
+FAST_OF = {"lm": LM_FAST, "flow": FLOW_FAST, "vlm": VLM_FAST}
+BASE_OF = {"lm": "base_model", "flow": "flow_base", "vlm": "vlm_base"}  # the fixture of each kind's start model
+
+
+@pytest.fixture(scope="session")
+def vlm_base(tmp_path_factory) -> str:
+    """The shapes-vqa LLaVA (regen/tasks/shapes_vqa.py) after a short SFT: a folder with its processor."""
+    run = tmp_path_factory.mktemp("vlm_sft")
+    assert main(["sft", "model.init=shapes-vlm", "data.train=builtin:shapes-vqa:train", "data.eval=null",
+                 f"run.dir={run}", "sft.steps=80", "sft.global_batch_size=32", "optim.lr=2e-3", "log.progress=none",
+                 "log.tensorboard=false", "run.threads=2"]) == 0
+    return str(run / "export")
+
+
 class Job:
-    """`regen train` of a tiny language model (GRPO on arithmetic) or flow model (NFT on shapes)."""
+    """`regen train` of a tiny language model (GRPO on arithmetic), flow model (NFT on shapes) or
+    vision-language model (GRPO on questions about shapes images)."""
 
     def __init__(self, kind: str, base):
         self.kind, self.base = kind, str(base)
 
     def args(self, run, *extra) -> list[str]:
-        return ["train", f"model.path={self.base}", f"run.dir={run}", *(LM_FAST if self.kind == "lm" else FLOW_FAST),
-                *extra]
+        return ["train", f"model.path={self.base}", f"run.dir={run}", *FAST_OF[self.kind], *extra]
 
     def __repr__(self) -> str:
         return self.kind
@@ -117,9 +134,9 @@ def same_run(a: Path, b: Path) -> None:
     assert strip(read_jsonl(a / "metrics.jsonl")) == strip(read_jsonl(b / "metrics.jsonl"))
 
 
-@pytest.fixture(params=["lm", "flow"])
+@pytest.fixture(params=["lm", "flow", "vlm"])
 def job(request) -> Job:
-    return Job(request.param, request.getfixturevalue("base_model" if request.param == "lm" else "flow_base"))
+    return Job(request.param, request.getfixturevalue(BASE_OF[request.param]))
 
 
 def nan_at_steps(monkeypatch, steps) -> None:

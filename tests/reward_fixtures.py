@@ -29,3 +29,10 @@ def unruly(samples):
     """inf, -inf, a string, None, then a proper score, cycling: what a buggy scorer returns."""
     bad = [float("inf"), float("-inf"), "high", None, 0.5]
     return [bad[i % len(bad)] for i in range(len(samples))]
+
+
+def exact_if_image(samples):
+    """Exact match for samples that carry their prompt's image (a vision-language run), None
+    (missing) for the others."""
+    return [float(s.completion.strip() == s.meta["answer"]) if s.media is not None and s.media.ndim == 3 else None
+            for s in samples]

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from regen.cli import main
-from tests.conftest import Job, NaNAt, read_jsonl, same_run
+from tests.conftest import BASE_OF, Job, NaNAt, read_jsonl, same_run
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = {"lm": 8, "flow": 4}  # of the kill / signal runs
+STEPS = {"lm": 8, "flow": 4, "vlm": 6}  # of the kill / signal runs
 
 
 def free_port() -> int:
@@ -68,10 +68,10 @@ def test_resume_alerts_when_the_scorer_version_changed(job, tmp_path, monkeypatc
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A real 2 MiB tmpfs: room for the run's logs, not for one checkpoint of either model."""
+    """A real 1 MiB tmpfs: room for the run's logs, not for one checkpoint of any of the models."""
     where = tmp_path / "disk"
     where.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(where)],
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)],
                       capture_output=True).returncode != 0:
         pytest.skip("mounting a tmpfs needs root")
     yield where
@@ -89,7 +89,7 @@ def test_full_disk_at_the_final_checkpoint_is_an_error_not_a_traceback(job, smal
 
 
 def test_persistent_nan_rolls_back_lowers_lr_and_alerts(job, tmp_path, monkeypatch):
-    if job.kind == "lm":
+    if job.kind in ("lm", "vlm"):
         from regen.modalities.lm import LMModality as cls
     else:
         from regen.modalities.flow import FlowModality as cls
@@ -112,10 +112,10 @@ def test_persistent_nan_rolls_back_lowers_lr_and_alerts(job, tmp_path, monkeypat
 # ------------------------------------------------------------------ real signals to a real process
 
 
-@pytest.fixture(scope="module", params=["lm", "flow"])
+@pytest.fixture(scope="module", params=["lm", "flow", "vlm"])
 def signalled(request, tmp_path_factory):
     """(job, its uninterrupted reference run) of the kill and signal tests."""
-    job = Job(request.param, request.getfixturevalue("base_model" if request.param == "lm" else "flow_base"))
+    job = Job(request.param, request.getfixturevalue(BASE_OF[request.param]))
     run = tmp_path_factory.mktemp(f"ref-{job.kind}") / "run"
     assert main(_kill_args(job, run)) == 0
     return job, run
@@ -166,8 +166,9 @@ def test_sigterm_finishes_the_step_checkpoints_and_exits_0(signalled, tmp_path):
 
 def test_dynamic_sampling_keeps_only_groups_with_signal(job, tmp_path):
     # rewards with ties: 0/1 for an answer ending in an even digit, for an image brighter than average
-    reward = "reward=[{name: format, args: {pattern: '.*[02468]', require_eos: false}}]" if job.kind == "lm" else \
-        "reward=[{name: 'tests.reward_fixtures:bright_or_not'}]"
+    reward = {"lm": "reward=[{name: format, args: {pattern: '.*[02468]', require_eos: false}}]",
+              "vlm": "reward=[{name: exact_match}]",
+              "flow": "reward=[{name: 'tests.reward_fixtures:bright_or_not'}]"}[job.kind]
     run = tmp_path / "dapo"
     assert main(job.args(run, reward, "train.steps=6", "algorithm.dynamic_sampling=true",
                          "algorithm.max_sampling_rounds=2")) == 0

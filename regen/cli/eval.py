@@ -39,7 +39,7 @@ class Source:
 
 
 def resolve_source(src: str) -> Source:
-    from regen.policies.lm import _looks_local
+    from regen.policies.lm_load import _looks_local
     from regen.runtime import checkpoint as ckpt
 
     p = Path(src).expanduser()

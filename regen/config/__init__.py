@@ -58,6 +58,10 @@ class ModelConfig(Section):
         None, description="Train a LoRA adapter (peft) instead of all weights; the KL reference is then the base "
         "with the adapter disabled (no second copy). Checkpoints hold the adapter, export/ the merged model."
     )
+    freeze_vision: bool | None = Field(
+        None, description="Vision-language models: keep the vision tower's weights fixed (null = true: the projector "
+        "and the language model train). With model.lora the adapters sit on the language side only; refused for "
+        "models that read no images.")
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
@@ -318,6 +322,8 @@ class RLConfig(Section):
                              f"train.global_minibatch_size={t.global_minibatch_size}")
         if not self.reward:
             raise ValueError("reward: at least one reward term is needed")
+        if self.modality == "flow" and self.model.freeze_vision is not None:
+            raise ValueError(f"model.freeze_vision is for vision-language models, not algorithm.name={a.name}")
         f = self.flow
         stochastic = a.name in ("flow_grpo", "flow_dppo")
         if f.sampler is None:

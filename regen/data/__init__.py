@@ -16,6 +16,7 @@ from regen.errors import DataError
 class PromptItem:
     prompt: str
     meta: dict[str, Any] = field(default_factory=dict)  # passed to rewards (e.g. the reference answer)
+    image: Any = None  # uint8 (H, W, 3) pixels of the row's 'image' (vision-language models; regen/data/images.py)
 
 
 @dataclass
@@ -23,6 +24,7 @@ class Demo:
     prompt: str
     completion: str
     meta: dict[str, Any] = field(default_factory=dict)
+    image: Any = None  # as PromptItem.image
 
 
 @dataclass
@@ -33,7 +35,7 @@ class PrefPair:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-BUILTIN_TASKS = ("arithmetic", "shapes", "moving-shapes")
+BUILTIN_TASKS = ("arithmetic", "shapes", "moving-shapes", "shapes-vqa")
 
 
 def _builtin(spec: str, tasks: tuple[str, ...] = ("arithmetic",)) -> tuple[str, str]:
@@ -110,11 +112,25 @@ def load_prompts(spec: str, task, where: str, skip_bad: bool = False,
         from regen.tasks import arithmetic, shapes
 
         name, split = _builtin(spec, BUILTIN_TASKS)
+        if name == "shapes-vqa":  # questions about drawn shapes, with their images
+            from regen.tasks import shapes_vqa
+
+            return shapes_vqa.prompts(split)
         if name != "arithmetic":  # image / video prompts, meta = the drawn attributes
             return shapes.prompts("image" if name == "shapes" else "video", split)
         return arithmetic.prompts(split, task.digits, task.test_size)
     rows = read_rows(spec, () if chat else ("prompt",), where, skip_bad, columns)
-    return [PromptItem(prompt=r.pop("prompt", None), meta=r) for r in rows]
+    return _with_images([PromptItem(prompt=r.pop("prompt", None), meta=r) for r in rows], spec, where)
+
+
+def _with_images(items: list, spec: str, where: str) -> list:
+    """Rows with an 'image' field get its pixels decoded now (regen/data/images.py): a missing or
+    corrupt image stops the run before it starts."""
+    if any("image" in it.meta for it in items):
+        from regen.data.images import attach_images
+
+        attach_images(items, f"{where} '{spec}'", None if spec.startswith("hf:") else Path(spec).parent)
+    return items
 
 
 def load_demos(spec: str, task, where: str, skip_bad: bool = False,
@@ -123,12 +139,17 @@ def load_demos(spec: str, task, where: str, skip_bad: bool = False,
     if spec.startswith("builtin:"):
         from regen.tasks import arithmetic
 
-        _, split = _builtin(spec)
+        name, split = _builtin(spec, ("arithmetic", "shapes-vqa"))
         if split != "train":
             raise DataError(f"{where}: demonstrations come from the train split, not '{spec}'")
+        if name == "shapes-vqa":
+            from regen.tasks import shapes_vqa
+
+            return shapes_vqa.demonstrations(task.demo_noise)
         return arithmetic.demonstrations(task.digits, task.test_size, task.demo_noise)
     rows = read_rows(spec, ("prompt", "completion"), where, skip_bad, columns)
-    return [Demo(prompt=r.pop("prompt"), completion=r.pop("completion"), meta=r) for r in rows]
+    return _with_images([Demo(prompt=r.pop("prompt"), completion=r.pop("completion"), meta=r) for r in rows], spec,
+                        where)
 
 
 class EpochSampler:

@@ -30,36 +30,59 @@ def messages_of(row_prompt: str | None, meta: dict, where: str, i: int) -> list[
     return [{"role": m["role"], "content": m["content"]} for m in msgs]
 
 
+def with_image(msgs: list[dict], image_token: str) -> list[dict]:
+    """A vision-language prompt's conversation as processors' templates expect it: the last user
+    turn's content as [{"type": "image"}, {"type": "text", ...}], unless its text already places
+    the image token itself."""
+    last = msgs[-1]
+    if image_token in last["content"]:
+        return msgs
+    return [*msgs[:-1], {"role": last["role"], "content": [{"type": "image"}, {"type": "text", "text": last["content"]}]}]
+
+
 def render(items: list[PromptItem], tokenizer, system_prompt: str | None, where: str) -> list[PromptItem]:
-    """Each item's prompt rendered with the tokenizer's chat template and add_generation_prompt."""
+    """Each item's prompt rendered with the tokenizer's (or a vision-language model's processor's)
+    chat template and add_generation_prompt; an item's image stays with it."""
     if not getattr(tokenizer, "chat_template", None):
         raise UserError("data.chat_template: the model's tokenizer has no chat template (tokenizer_config.json "
-                        "'chat_template'); use an instruct model's folder, or data.chat_template: false")
+                        "'chat_template', or a vision-language processor's chat_template.jinja); use an instruct "
+                        "model's folder, or data.chat_template: false")
     out = []
     for i, it in enumerate(items):
         msgs = messages_of(it.prompt, it.meta, where, i)
         if system_prompt is not None and msgs[0]["role"] != "system":
             msgs = [{"role": "system", "content": system_prompt}, *msgs]
+        shown = with_image(msgs, tokenizer.image_token) if it.image is not None and hasattr(tokenizer, "image_token") \
+            else msgs
         try:
-            text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(shown, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # noqa: BLE001  (a Jinja error names what the template expected)
             raise DataError(f"{where}: row {i + 1}: the chat template failed ({type(e).__name__}: {e})") from None
-        out.append(PromptItem(text, {**it.meta, "messages": msgs}))
+        out.append(PromptItem(text, {**it.meta, "messages": msgs}, it.image))
     return out
 
 
 def load_tokenizer(model_cfg, task_cfg):
-    """The tokenizer of model.path (or a built-in recipe) without loading the weights."""
+    """The tokenizer of model.path (a vision-language model's processor), or of a built-in recipe,
+    without loading the weights."""
+    if model_cfg.init == "shapes-vlm":
+        from regen.tasks.shapes_vqa import build_processor
+
+        return build_processor()
     if model_cfg.init is not None:
         from regen.tasks.arithmetic import build_tokenizer
 
         return build_tokenizer()
     from pathlib import Path
 
-    from transformers import AutoTokenizer
+    from transformers import AutoProcessor, AutoTokenizer
+
+    from regen.policies.vlm import is_vlm_folder
 
     p = Path(model_cfg.path).expanduser()
     try:
+        if p.exists() and is_vlm_folder(p):
+            return AutoProcessor.from_pretrained(str(p))
         return AutoTokenizer.from_pretrained(str(p) if p.exists() else model_cfg.path)
     except (OSError, ValueError) as e:
         raise UserError(f"model.path: cannot load the tokenizer of '{model_cfg.path}': {str(e).splitlines()[0]}") \

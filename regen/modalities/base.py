@@ -7,6 +7,7 @@ loop, the update (regen/train/update.py), the run's books (regen/train/run.py) a
 placement (regen/placement/) see only these methods:
 
   1. sample     plan(gen, step)          the step's randomness for the whole batch, drawn up front
+                inputs(items)            what sample takes of the prompt items (text; VLMs: and images)
                 sample(prompts, n, plan)  n samples per prompt, on whichever process samples
                 concat(parts)             one batch from the shares of several processes
   2. score      reward_samples(items, b)  what the reward functions see
@@ -64,7 +65,11 @@ class Modality:
     def plan(self, gen: torch.Generator, step: int):
         raise NotImplementedError
 
-    def sample(self, prompts: list[str], n: int, plan, behaviour: bool = False):
+    def inputs(self, items) -> list:
+        """What `sample` takes for these prompt items (their text; a VLM adds their images)."""
+        return [it.prompt for it in items]
+
+    def sample(self, prompts: list, n: int, plan, behaviour: bool = False):
         raise NotImplementedError
 
     def concat(self, parts: list):

@@ -21,6 +21,7 @@ import torch
 from regen.algorithms import ADVANTAGES, POLICY_LOSSES, overlong_penalty
 from regen.algorithms.gae import explained_variance, token_advantages
 from regen.algorithms.losses import batch_denominators
+from regen.errors import UserError
 from regen.modalities.base import Advantages, Modality
 from regen.modalities.lm_eval import run_eval
 from regen.policies.critic import Critic
@@ -32,6 +33,7 @@ from regen.policies.lm import (
     configure_prompts,
     load_model_and_tokenizer,
 )
+from regen.policies.vlm import check_trainable
 from regen.rewards import Sample
 from regen.runtime import checkpoint as ckpt
 from regen.runtime.dist import Dist
@@ -83,6 +85,8 @@ class LMModality(Modality):
             return
         model, tok, reference = load_policy_model(cfg, state)
         self.policy = LMPolicy(model, tok, device, reference=reference)
+        if self.policy.processor is not None:
+            refuse_for_images(cfg)
         configure_prompts(self.policy, cfg)
         self.policy.model.eval()  # dropout off: sampling and training see the same function (ratio 1 on-policy)
         if dist.on:  # DDP's wrapper, or the model (and reference) sharded in place by FSDP2
@@ -119,7 +123,10 @@ class LMModality(Modality):
         return LMPlan(torch.rand(c.rollout.global_batch_size, c.rollout.max_new_tokens, generator=gen,
                                  device=gen.device))
 
-    def sample(self, prompts: list[str], n: int, plan: LMPlan, behaviour: bool = False) -> LMRollout:
+    def inputs(self, items) -> list:
+        return self.policy.inputs(items)
+
+    def sample(self, prompts: list, n: int, plan: LMPlan, behaviour: bool = False) -> LMRollout:
         """behaviour: also keep each token's log-prob under the sampling weights (rollout actors,
         for batches the trainer gets after its weights moved on)."""
         r = self.cfg.rollout
@@ -142,7 +149,8 @@ class LMModality(Modality):
 
     def reward_samples(self, items, batch: LMRollout) -> list[Sample]:
         n, finished = self.cfg.rollout.group_size, batch.finished.tolist()
-        return [Sample(items[i // n].prompt, batch.completions[i], items[i // n].meta, finished[i])
+        # a VLM's prompt image reaches the rewards as the sample's media (and its 'image' value as meta)
+        return [Sample(items[i // n].prompt, batch.completions[i], items[i // n].meta, finished[i], items[i // n].image)
                 for i in range(len(batch.completions))]
 
     def shape_rewards(self, rewards: torch.Tensor, parts: dict, batch: LMRollout) -> tuple[torch.Tensor, dict]:
@@ -290,14 +298,26 @@ def load_policy_model(cfg, state: dict | None):
     model.path / model.init; with model.lora, the base plus a new or saved adapter."""
     if cfg.model.lora is not None:
         base, tok = load_model_and_tokenizer(cfg.model, cfg.task, cfg.run.seed)
+        check_trainable(base, cfg.model)
         adapter = None if state is None else state["model_dir"]
         # the reference is the base with the adapter disabled: no second copy (see LMPolicy)
         return apply_lora(base, cfg.model.lora, adapter), tok, None
     model, tok = load_model_and_tokenizer(ckpt.resumed_model(cfg.model, state), cfg.task, cfg.run.seed)
+    check_trainable(model, cfg.model)  # model.freeze_vision
     reference = None
     if cfg.algorithm.kl_coef > 0:  # the KL reference is the run's starting model, also after a resume
         reference = "copy" if state is None else load_model_and_tokenizer(cfg.model, cfg.task, cfg.run.seed)[0]
     return model, tok, reference
+
+
+def refuse_for_images(cfg) -> None:
+    """What the vision-language path does not do yet: one clear error, before any work."""
+    if cfg.algorithm.advantage == "gae":
+        raise UserError("algorithm.name=ppo: the critic is a text model and cannot read the prompts' images; use "
+                        "grpo, gspo, or advantage rloo / reinforce_pp with a vision-language model")
+    if cfg.rollout.engine == "vllm":
+        raise UserError("rollout.engine=vllm: regen does not pass images to vLLM yet; use rollout.engine=hf with a "
+                        "vision-language model")
 
 
 def load_critic(cfg, device, state: dict | None, alerts, d: Dist | None = None):

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from regen.data import PromptItem
+from regen.data.images import THUMB, png_data_uri
 from regen.rewards import CombinedReward, Sample
 from regen.rewards.builtin import exact_match
 from regen.runtime import dist
@@ -52,11 +53,10 @@ def evaluate_with_samples(
     samples: list[Sample] = []
     for start in range(0, len(items), batch_size):
         chunk = items[start : start + batch_size]
-        ro = policy.sample([it.prompt for it in chunk], n, temperature, top_p, max_new_tokens, gen, greedy=greedy)
+        ro = policy.sample(policy.inputs(chunk), n, temperature, top_p, max_new_tokens, gen, greedy=greedy)
         fin = ro.finished.tolist()
-        samples += [
-            Sample(chunk[i // n].prompt, ro.completions[i], chunk[i // n].meta, fin[i]) for i in range(len(fin))
-        ]
+        samples += [Sample(chunk[i // n].prompt, ro.completions[i], chunk[i // n].meta, fin[i], chunk[i // n].image)
+                    for i in range(len(fin))]
     out = {"length": sum(len(s.completion) for s in samples) / max(len(samples), 1)}
     correct = exact_match(samples)
     if items and all("answer" in it.meta for it in items):
@@ -74,6 +74,8 @@ def evaluate_with_samples(
                "reward": float(t) if t is not None and math.isfinite(t) else None}
         if "answer" in s.meta:
             row |= {"answer": s.meta["answer"], "correct": bool(c)}
+        if s.media is not None:  # a VLM's prompt image, small, for the report
+            row["image"] = png_data_uri(s.media, THUMB)
         rows.append(row | {"finished": bool(s.finished)})
     return out, rows
 

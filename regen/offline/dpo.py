@@ -16,10 +16,12 @@ import torch.nn.functional as F
 from regen.algorithms import dpo_loss
 from regen.config import RLConfig, dump_config
 from regen.data import Demo, EpochSampler, load_pairs, load_prompts
+from regen.errors import UserError
 from regen.modalities.lm_eval import fmt_eval, run_eval
 from regen.offline import close_offline
 from regen.offline.sft import IGNORE, encode_demos
 from regen.policies.lm import LMPolicy, apply_lora, configure_prompts, load_model_and_tokenizer, max_positions, resolve_device
+from regen.policies.vlm import check_trainable, is_processor
 from regen.quality import Quality, gates
 from regen.runtime import checkpoint as ckpt
 from regen.runtime.loggers import require as require_loggers
@@ -71,6 +73,10 @@ def train_dpo(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
     state = ckpt.load_latest(run_dir) if resume else None
 
     start, tok = load_model_and_tokenizer(cfg.model, cfg.task, cfg.run.seed)
+    if is_processor(tok):
+        raise UserError("algorithm.name=dpo with a vision-language model: preference pairs with images are not "
+                        "supported yet; train it with grpo / gspo on prompts with images")
+    check_trainable(start, cfg.model)  # model.freeze_vision: refused on a text model
     start = start.to(device).eval()
     max_len = max_positions(start)
     enc_c = _encode(pairs, tok, max_len, "chosen", device)

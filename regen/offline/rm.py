@@ -58,7 +58,7 @@ def load_reward_model(model_cfg, task_cfg, seed: int):
     if model_cfg.init is not None:
         from transformers import GPT2ForSequenceClassification
 
-        from regen.tasks.arithmetic import RECIPES
+        from regen.tasks import LM_RECIPES as RECIPES
 
         if model_cfg.init not in RECIPES:
             raise UserError(f"model.init: unknown recipe '{model_cfg.init}' (known: {', '.join(RECIPES)})")

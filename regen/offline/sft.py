@@ -15,6 +15,7 @@ from regen.errors import DataError
 from regen.modalities.lm_eval import run_eval
 from regen.offline import close_offline
 from regen.policies.lm import LMPolicy, configure_prompts, load_model_and_tokenizer, max_positions, resolve_device
+from regen.policies.vlm import VisionPrompt, check_trainable, encode, is_processor, select_vision
 from regen.quality import Quality, gates
 from regen.runtime import checkpoint as ckpt
 from regen.runtime.loggers import require as require_loggers
@@ -28,8 +29,15 @@ IGNORE = -100
 
 
 def encode_demos(demos: list[Demo], tok, max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded (N, L) input ids, attention mask, and labels that are IGNORE on the prompt."""
-    p_ids = tok([d.prompt for d in demos], add_special_tokens=True)["input_ids"]
+    """Right-padded (N, L) input ids, attention mask, and labels that are IGNORE on the prompt.
+    `tok` may be a vision-language model's processor: the prompts' image tokens are then expanded
+    to the model's image positions (their pixels: `demo_vision`)."""
+    if is_processor(tok):
+        p_ids = [encode(tok, [VisionPrompt(d.prompt, _image_of(d))], True, "cpu")[0]["input_ids"][0].tolist()
+                 for d in demos]
+        tok = tok.tokenizer
+    else:
+        p_ids = tok([d.prompt for d in demos], add_special_tokens=True)["input_ids"]
     c_ids = tok([d.completion for d in demos], add_special_tokens=False)["input_ids"]
     rows = [(p, c + [tok.eos_token_id]) for p, c in zip(p_ids, c_ids)]
     L = max(len(p) + len(c) for p, c in rows)
@@ -46,6 +54,19 @@ def encode_demos(demos: list[Demo], tok, max_len: int) -> tuple[torch.Tensor, to
     return ids, mask, labels
 
 
+def _image_of(d: Demo):
+    if d.image is None:
+        raise DataError(f"data.train: the model reads images but demonstration '{d.prompt[:60]}' has no 'image'")
+    return d.image
+
+
+def demo_vision(demos: list[Demo], tok, device) -> dict:
+    """The demonstrations' image inputs (pixel_values) of a VLM's processor; {} for text."""
+    if not is_processor(tok):
+        return {}
+    return encode(tok, [VisionPrompt(d.prompt, _image_of(d)) for d in demos], True, device)[1]
+
+
 def sft(cfg: SFTConfig, resume: bool = False) -> dict:
     device = resolve_device(cfg.run.device)
     require_loggers(cfg.log)  # W&B / MLflow installed when turned on
@@ -57,10 +78,12 @@ def sft(cfg: SFTConfig, resume: bool = False) -> dict:
     setup_torch(cfg.run.threads, cfg.run.seed)
     state = ckpt.load_latest(run_dir) if resume else None
     model, tok = load_model_and_tokenizer(ckpt.resumed_model(cfg.model, state), cfg.task, cfg.run.seed)
+    check_trainable(model, cfg.model)  # model.freeze_vision
     policy = LMPolicy(model, tok, device)
     configure_prompts(policy, cfg)  # rollout.stop_tokens in its held-out evaluation
     max_len = max_positions(model)
     ids, mask, labels = (t.to(device) for t in encode_demos(demos, tok, max_len))
+    vision = demo_vision(demos, tok, device)
     opt = make_optimizer(policy.model, cfg.optim)
     data = EpochSampler(len(demos), cfg.run.seed)
     start_step = ckpt.restore(state, run_dir, opt, data) if state else 0
@@ -88,7 +111,7 @@ def sft(cfg: SFTConfig, resume: bool = False) -> dict:
             idx = torch.tensor(data.take(s.global_batch_size), device=device)
             width = int(mask[idx].sum(1).max())  # trim the batch to its longest row
             b_ids, b_mask, b_lab = ids[idx, :width], mask[idx, :width], labels[idx, :width]
-            logits = policy.model(input_ids=b_ids, attention_mask=b_mask).logits
+            logits = policy.model(input_ids=b_ids, attention_mask=b_mask, **select_vision(vision, idx)).logits
             # position t predicts token t+1; mean over completion tokens of the batch
             loss = F.cross_entropy(
                 logits[:, :-1].flatten(0, 1).float(), b_lab[:, 1:].flatten(), ignore_index=IGNORE

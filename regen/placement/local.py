@@ -39,7 +39,7 @@ class LocalRollouts:
         items = [self.prompts[i] for i in self.data.take(self.cfg.prompts_per_step)]
         plan = self.m.plan(gen, step, again)
         groups = self.dist.my_rows(torch.arange(len(items)))
-        part = self.m.sample([items[g].prompt for g in groups.tolist()], n, plan.select(group_rows(groups, n)))
+        part = self.m.sample(self.m.inputs([items[g] for g in groups.tolist()]), n, plan.select(group_rows(groups, n)))
         if not self.dist.on:
             return items, part
         return items, self.m.concat(self.dist.gather_objects(part.to("cpu")))

@@ -217,7 +217,7 @@ class RayRollouts:
     def _shares(self, items, plan) -> list[tuple]:
         n = self.cfg.rollout.group_size
         shares = torch.arange(len(items)).tensor_split(len(self.workers.actors))
-        return [([items[g].prompt for g in s.tolist()], n, plan.select(group_rows(s, n)).cpu()) for s in shares]
+        return [(self.m.inputs([items[g] for g in s.tolist()]), n, plan.select(group_rows(s, n)).cpu()) for s in shares]
 
     def _requests(self, items, plan) -> list:
         return [self.workers.call(i, "sample", *args) if args[0] else None

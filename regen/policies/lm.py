@@ -1,4 +1,5 @@
-"""Language-model policy over any transformers causal LM: load, sample, score log-probs, export.
+"""Language-model policy over any transformers causal LM (or vision-language model, see vlm.py):
+sample, score log-probs, export (loading: lm_load.py).
 
 Sampling is a plain KV-cached loop over `model.forward` rather than `generate()`: the loop
 needs only temperature / top-p / EOS handling, and skipping generate's per-token machinery
@@ -16,60 +17,21 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from regen.errors import UserError
+from regen.errors import DataError, UserError
+from regen.policies.lm_load import (  # noqa: F401  (re-exported: regen.policies.lm is where callers import from)
+    apply_lora,
+    load_model_and_tokenizer,
+    max_positions,
+    resolve_device,
+)
 from regen.policies.lm_rollout import LMRollout, concat_rollouts  # noqa: F401  (re-exported)
-
-
-def max_positions(model) -> int:
-    """The longest sequence the model accepts (GPT-2 names it n_positions)."""
-    cfg = model.config
-    return getattr(cfg, "n_positions", None) or getattr(cfg, "max_position_embeddings", None) or 4096
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UserError("run.device=cuda but no CUDA device is available")
-    return torch.device(name)
-
-
-def _looks_local(path: str) -> bool:
-    """A path that cannot be a hub id ('org/name'), or whose first folder exists here."""
-    p = Path(path).expanduser()
-    return path.startswith((".", "/", "~")) or path.count("/") != 1 or p.parent.exists()
-
-
-def load_model_and_tokenizer(model_cfg, task_cfg, seed: int):
-    """From model.path (a local folder, or a hub id where a network exists) or a built-in recipe."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    dtype = getattr(torch, model_cfg.dtype)
-    if model_cfg.init is not None:
-        from regen.tasks.arithmetic import RECIPES
-
-        if model_cfg.init not in RECIPES:
-            raise UserError(f"model.init: unknown recipe '{model_cfg.init}' (known: {', '.join(RECIPES)})")
-        model, tok = RECIPES[model_cfg.init](seed, task_cfg.digits)
-        model = model.to(dtype)
-    else:
-        path = model_cfg.path
-        p = Path(path).expanduser()
-        if p.exists() and not (p / "config.json").is_file():
-            raise UserError(f"model.path: '{path}' is not a model folder (no config.json in it)")
-        if not p.exists() and _looks_local(path):
-            raise UserError(f"model.path: folder '{path}' not found")
-        try:
-            tok = AutoTokenizer.from_pretrained(str(p) if p.exists() else path)
-            model = AutoModelForCausalLM.from_pretrained(str(p) if p.exists() else path, dtype=dtype)
-        except (OSError, ValueError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UserError(f"model.path: cannot load '{path}': {first}") from None
-    if tok.eos_token_id is None:
-        raise UserError("model.path: the tokenizer has no EOS token; completions could never end")
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token  # common for causal LMs; padding is always masked out
-    return model, tok
+from regen.policies.vlm import (
+    VisionPrompt,
+    encode,
+    image_token_ids,
+    is_processor,
+    select_vision,
+)
 
 
 def stop_ids(model, tokenizer, extra: list[str] = ()) -> list[int]:
@@ -100,9 +62,14 @@ class LMPolicy:
 
     def __init__(self, model, tokenizer, device: torch.device, reference=None):
         """`reference`: None (no KL term), "copy" (a frozen copy of the starting weights), or a
-        model to freeze (e.g. the original weights when resuming). No copy is made for None."""
+        model to freeze (e.g. the original weights when resuming). No copy is made for None.
+        `tokenizer`: a vision-language model's processor makes this an image-reading policy."""
         self.model = model.to(device)
+        self.processor = tokenizer if is_processor(tokenizer) else None
+        tokenizer = tokenizer.tokenizer if self.processor is not None else tokenizer
         self.tokenizer = tokenizer
+        # image placeholder tokens are never sampled nor scored (see regen/policies/vlm.py)
+        self.banned = torch.tensor(image_token_ids(self.processor), dtype=torch.long, device=device)
         self.device = device
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id
@@ -122,10 +89,34 @@ class LMPolicy:
 
     # ---------------------------------------------------------------- sampling
 
+    def inputs(self, items) -> list:
+        """What `sample` takes for these prompt items: their text, and for a VLM their images."""
+        if self.processor is None:
+            if any(getattr(it, "image", None) is not None for it in items):
+                raise DataError("the prompt rows carry an 'image' but model.path is a text-only model (no "
+                                "vision_config): use a vision-language model, or drop the images")
+            return [it.prompt for it in items]
+        missing = [i for i, it in enumerate(items) if it.image is None]
+        if missing:
+            raise DataError(f"the model reads images but prompt '{items[missing[0]].prompt[:60]}' has no 'image' "
+                            f"({len(missing)} of {len(items)} prompts here)")
+        return [VisionPrompt(it.prompt, it.image) for it in items]
+
+    def encode(self, prompts: list) -> tuple[dict, dict]:
+        """(input_ids / attention_mask left-padded, vision inputs: {} for text) on the device."""
+        if self.processor is not None:
+            return encode(self.processor, prompts, self.add_special_tokens, self.device)
+        enc = self.tokenizer(prompts, padding=True, padding_side="left", return_tensors="pt",
+                             add_special_tokens=self.add_special_tokens)
+        return {k: enc[k].to(self.device) for k in ("input_ids", "attention_mask")}, {}
+
+    def ban(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits.index_fill(-1, self.banned, float("-inf")) if len(self.banned) else logits
+
     @torch.no_grad()
     def sample(
         self,
-        prompts: list[str],
+        prompts: list,
         n: int,
         temperature: float,
         top_p: float,
@@ -135,7 +126,7 @@ class LMPolicy:
         uniforms: torch.Tensor | None = None,
         with_logp: bool = False,
     ) -> LMRollout:
-        """Sample n completions per prompt (consecutive rows form a group).
+        """Sample n completions per prompt (consecutive rows form a group); prompts as `inputs` makes them.
 
         The randomness is one uniform per (row, token position), drawn up front: `uniforms`
         (B, max_new_tokens), or drawn from `generator`. A row's tokens then depend only on its
@@ -146,18 +137,17 @@ class LMPolicy:
         model = self.model
         was_training = model.training
         model.eval()
-        enc = self.tokenizer(prompts, padding=True, padding_side="left", return_tensors="pt",
-                             add_special_tokens=self.add_special_tokens)
+        enc, vision = self.encode(prompts)
         stops = torch.tensor(self.stop_ids, device=self.device)
-        prompt_mask = enc["attention_mask"].to(self.device)
+        prompt_mask = enc["attention_mask"]
         cache_arg = _cache_arg(model)
-        # Each prompt is encoded once and its KV cache repeated n times: the group shares it.
+        # Each prompt (and its image) is encoded once and its KV cache repeated n times: the group shares it.
         p_pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
-        out = model(input_ids=enc["input_ids"].to(self.device), attention_mask=prompt_mask, position_ids=p_pos,
-                    use_cache=True)
-        past, logits = _cache_of(out), out.logits[:, -1].repeat_interleave(n, 0)
+        out = model(input_ids=enc["input_ids"], attention_mask=prompt_mask, position_ids=p_pos, use_cache=True,
+                    **vision)
+        past, logits = _cache_of(out), self.ban(out.logits[:, -1]).repeat_interleave(n, 0)
         past.batch_repeat_interleave(n)
-        prompt_ids = enc["input_ids"].to(self.device).repeat_interleave(n, 0)
+        prompt_ids = enc["input_ids"].repeat_interleave(n, 0)
         mask = prompt_mask.repeat_interleave(n, 0)
         B, P = prompt_ids.shape
         next_pos = p_pos[:, -1:].repeat_interleave(n, 0) + 1
@@ -179,7 +169,7 @@ class LMPolicy:
                 input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos, use_cache=True,
                 **{cache_arg: past},
             )
-            past, logits = _cache_of(out), out.logits[:, -1]
+            past, logits = _cache_of(out), self.ban(out.logits[:, -1])
             next_pos = next_pos + 1
         model.train(was_training)
         response = torch.stack(tokens, 1)  # (B, T)
@@ -198,6 +188,7 @@ class LMPolicy:
             prompt_width=P,
             completions=completions,
             behaviour_logp=torch.stack(logps, 1) * response_mask if with_logp else None,
+            vision={k: v.repeat_interleave(n, 0) for k, v in vision.items()} or None,
         )
 
     # ---------------------------------------------------------------- scoring
@@ -231,9 +222,9 @@ class LMPolicy:
             logits = _shared_prefix_logits(model, batch, group_size)
         else:
             out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                        position_ids=batch.position_ids)
+                        position_ids=batch.position_ids, **(batch.vision or {}))
             logits = out.logits[:, batch.prompt_width - 1 : -1]  # position t predicts token t+1
-        logp_all = F.log_softmax(logits.float() / temperature, -1)
+        logp_all = F.log_softmax(self.ban(logits.float()) / temperature, -1)
         logp = logp_all.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)
         entropy = None
         if with_entropy:  # with its gradient only when an entropy bonus needs it
@@ -256,7 +247,7 @@ class LMPolicy:
             tied = {n for n, _ in self.model.named_parameters(remove_duplicate=False)} - kept
             state_dict = {k: v for k, v in state_dict.items() if k not in tied}
         self.model.save_pretrained(folder, safe_serialization=True, state_dict=state_dict)
-        self.tokenizer.save_pretrained(folder)
+        (self.processor or self.tokenizer).save_pretrained(folder)
 
     def export(self, folder: Path, state_dict: dict | None = None) -> None:
         """A folder AutoModelForCausalLM / AutoTokenizer load as they are (LoRA merged in)."""
@@ -265,7 +256,7 @@ class LMPolicy:
         folder.mkdir(parents=True, exist_ok=True)
         merged = copy.deepcopy(self.model).merge_and_unload()
         merged.save_pretrained(folder, safe_serialization=True)
-        self.tokenizer.save_pretrained(folder)
+        (self.processor or self.tokenizer).save_pretrained(folder)
 
 
 def _shared_prefix_logits(model, batch: LMRollout, n: int) -> torch.Tensor:
@@ -288,8 +279,9 @@ def _shared_prefix_logits(model, batch: LMRollout, n: int) -> torch.Tensor:
         L = int(lengths[rows].max())
         uniq, inv = torch.unique(group[rows], return_inverse=True)
         rep = rows[torch.empty_like(uniq).scatter_(0, inv, torch.arange(len(rows), device=rows.device))]
+        # the prompt, and its image through the vision tower, once per group
         out = model(input_ids=batch.input_ids[rep, :P], attention_mask=batch.attention_mask[rep, :P],
-                    position_ids=pos[rep, :P], use_cache=L > 1)
+                    position_ids=pos[rep, :P], use_cache=L > 1, **select_vision(batch.vision, rep))
         logits = out.logits[inv, -1:]  # predicts response token 0
         if L > 1:
             cache = _cache_of(out)
@@ -356,22 +348,3 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float, u: torc
     tok = tok.clamp(max=probs.shape[-1] - 1)
     # u * total rounding up to the total could land past the last token with mass: take the top one
     return torch.where(probs.gather(-1, tok[:, None]).squeeze(-1) > 0, tok, probs.argmax(-1))
-
-
-def apply_lora(model, lora_cfg, adapter_dir: Path | None = None):
-    """Wrap a causal LM with a LoRA adapter (peft): a fresh one, or the one saved in adapter_dir."""
-    try:
-        from peft import LoraConfig, PeftModel, get_peft_model
-    except ImportError:
-        raise UserError("model.lora needs peft: pip install 'regen[lora]'") from None
-    if adapter_dir is not None:
-        return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=True)
-    # GPT-2's Conv1D stores its weight transposed: peft needs fan_in_fan_out for it (and would
-    # otherwise set it itself, with a warning on every run)
-    conv1d = any(type(m).__name__ == "Conv1D" for m in model.modules())
-    cfg = LoraConfig(r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
-                     target_modules=lora_cfg.target_modules, task_type="CAUSAL_LM", fan_in_fan_out=conv1d)
-    try:
-        return get_peft_model(model, cfg)
-    except ValueError as e:
-        raise UserError(f"model.lora: {e}") from None

@@ -21,6 +21,7 @@ class LMRollout:
     completions: list[str]  # (B,) decoded responses, EOS and padding removed
     version: torch.Tensor | None = None  # (B,) long: weight version that sampled each row (rollout workers)
     behaviour_logp: torch.Tensor | None = None  # (B, T) log-probs under the sampling weights (rollout workers)
+    vision: dict[str, torch.Tensor] | None = None  # vision-language models: per-row image inputs (pixel_values)
 
     def __len__(self) -> int:
         return len(self.completions)
@@ -44,13 +45,15 @@ class LMRollout:
             [self.completions[i] for i in keep],
             None if self.version is None else self.version[idx.cpu()],
             None if self.behaviour_logp is None else self.behaviour_logp[idx.to(self.behaviour_logp.device)],
+            None if self.vision is None else {k: v[idx.to(v.device)] for k, v in self.vision.items()},
         )
 
     def to(self, device) -> LMRollout:
         """The same rollout with its tensors on `device` (rollouts travel between processes on the CPU)."""
         return LMRollout(self.input_ids.to(device), self.attention_mask.to(device), self.response_mask.to(device),
                          self.finished.to(device), self.prompt_width, self.completions, self.version,
-                         None if self.behaviour_logp is None else self.behaviour_logp.to(device))
+                         None if self.behaviour_logp is None else self.behaviour_logp.to(device),
+                         None if self.vision is None else {k: v.to(device) for k, v in self.vision.items()})
 
 
 def concat_rollouts(parts: list[LMRollout], pad_id: int) -> LMRollout:
@@ -71,5 +74,7 @@ def concat_rollouts(parts: list[LMRollout], pad_id: int) -> LMRollout:
     versions = None if any(p.version is None for p in parts) else torch.cat([p.version for p in parts])
     behaviour = None if any(p.behaviour_logp is None for p in parts) else \
         torch.cat([F.pad(p.behaviour_logp, (0, T - p.behaviour_logp.shape[1])) for p in parts])
+    vision = None if parts[0].vision is None else \
+        {k: torch.cat([p.vision[k].to(parts[0].vision[k].device) for p in parts]) for k in parts[0].vision}
     return LMRollout(torch.cat(ids), torch.cat(att), torch.cat(resp_mask), torch.cat([p.finished for p in parts]),
-                     P, [c for p in parts for c in p.completions], versions, behaviour)
+                     P, [c for p in parts for c in p.completions], versions, behaviour, vision)

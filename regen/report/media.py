@@ -1,6 +1,7 @@
 """Images and videos of evaluation samples, embedded in the report as data URIs.
 
-A sample row names its media by a path relative to the run directory: `"image": "a.png"`,
+A sample row names its media by a path relative to the run directory: `"image": "a.png"` (or
+holds a small image as a data URI: the prompt image of a vision-language model's sample),
 `"video": "clip.gif"` (a .gif or an animated .png plays as is), a folder of frames, or a
 list of frame paths (both turned into an animated GIF here). Paths that leave the run
 directory are refused: a report must not pick up arbitrary files of the machine. Large
@@ -59,6 +60,8 @@ def _thumb(im):
 
 def image_uri(run_dir: Path, rel) -> str:
     """A data URI for an image; raises MediaError naming what is wrong."""
+    if isinstance(rel, str) and rel.startswith("data:"):
+        return _inline_image(rel)
     path = _resolve(run_dir, rel)
     if path.is_dir():
         raise MediaError(f"'{rel}' is a folder, not an image")
@@ -68,6 +71,26 @@ def image_uri(run_dir: Path, rel) -> str:
             return _data_uri(MIME[im.format], path.read_bytes())
         buf = io.BytesIO()
         _thumb(im).save(buf, "PNG")
+    return _data_uri("image/png", buf.getvalue())
+
+
+def _inline_image(uri: str) -> str:
+    """A row's own data URI (a vision-language prompt's image): decoded and re-encoded as a PNG
+    thumbnail, so nothing but a valid image reaches the page."""
+    from PIL import Image
+
+    head, _, body = uri.partition(",")
+    try:
+        if not head.startswith("data:image/") or ";base64" not in head:
+            raise ValueError("not a base64 image data URI")
+        im = Image.open(io.BytesIO(base64.b64decode(body, validate=True)))
+        im.load()
+    except Exception as e:  # noqa: BLE001  (binascii, PIL: any failure means the same)
+        raise MediaError(f"inline image is not readable ({type(e).__name__})") from None
+    up = max(1, 64 // max(im.size))  # a tiny image is enlarged (nearest) so it can be seen
+    im = im.resize((im.size[0] * up, im.size[1] * up), Image.NEAREST) if up > 1 else im
+    buf = io.BytesIO()
+    _thumb(im).save(buf, "PNG")
     return _data_uri("image/png", buf.getvalue())
 
 

@@ -85,7 +85,7 @@ class RewardModel:
 
         if not path:
             raise ConfigError("reward_model: args.path is required (a local sequence-classification model folder)")
-        from regen.policies.lm import _looks_local
+        from regen.policies.lm_load import _looks_local
 
         folder = Path(path).expanduser()
         hub = not folder.exists() and not _looks_local(path)  # 'org/name', where a network or a hub cache exists

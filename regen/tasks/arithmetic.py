@@ -109,5 +109,3 @@ def build_model(seed: int, digits: int = 2):
     torch.manual_seed(seed)
     return GPT2LMHeadModel(config), tok
 
-
-RECIPES = {"arith-char-gpt2": build_model}

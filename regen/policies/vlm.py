@@ -1,0 +1,129 @@
+"""Vision-language models: the parts of a language-model policy that differ when prompts hold images.
+
+A VLM here is any local transformers folder loadable by AutoModelForImageTextToText with an
+AutoProcessor (LLaVA-style models, whose processor returns one `pixel_values` entry per image):
+the processor expands the image token of each prompt into the model's image-patch positions, and
+the model's first forward replaces those positions by the projected vision features. Everything
+else is the language-model path (regen/policies/lm.py): KV-cached sampling, recomputed log-probs,
+the prompt run once per group (so the vision tower encodes each group's image once), export.
+
+The image tokens are never sampled and never scored: their logits are set to -inf both when
+sampling and when computing log-probs (the same distribution on both sides), so a completion can
+not contain one, and the loss mask, which covers only completion tokens, never holds one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from regen.errors import DataError, UserError
+
+# parameter-name pieces of the vision side (LLaVA: vision_tower; Qwen2-VL: visual; others: vision_model)
+VISION_PARTS = ("vision_tower.", "visual.", "vision_model.")
+# LoRA with no target_modules on a VLM: the language model's attention projections (a regex peft full-matches)
+LANGUAGE_LORA_TARGETS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj)"
+
+
+@dataclass
+class VisionPrompt:
+    """One prompt of a vision-language model: its text and its image's pixels (uint8 H x W x 3)."""
+
+    text: str
+    image: np.ndarray
+
+
+def is_processor(obj) -> bool:
+    return hasattr(obj, "image_processor") and hasattr(obj, "tokenizer")
+
+
+def is_vlm_folder(path: Path) -> bool:
+    """A model folder whose config has a vision part (LLaVA, Qwen2-VL, ...)."""
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return "vision_config" in cfg
+
+
+def load_vlm(path: str, dtype):
+    """(model, processor) of a local VLM folder; UserError naming what is missing."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    try:
+        proc = AutoProcessor.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise UserError(f"model.path: '{path}' is a vision-language model but its processor does not load "
+                        f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}); save it "
+                        "with processor.save_pretrained into the same folder") from None
+    if not is_processor(proc):
+        raise UserError(f"model.path: '{path}' has a vision config but no image processor (preprocessor_config.json)")
+    try:
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"model.path: cannot load the vision-language model '{path}': {first}") from None
+    return model, proc
+
+
+def image_token_ids(processor) -> list[int]:
+    """Ids the sampler must never emit: the image placeholder token(s) of the processor."""
+    if processor is None:
+        return []
+    tok = processor.tokenizer
+    names = {getattr(processor, a, None) for a in ("image_token", "video_token")} - {None}
+    ids = {tok.convert_tokens_to_ids(t) for t in names if isinstance(t, str)}
+    return sorted(i for i in ids if i is not None and i != tok.unk_token_id)
+
+
+def encode(processor, prompts: list[VisionPrompt], add_special_tokens: bool, device) -> tuple[dict, dict]:
+    """(text inputs: input_ids / attention_mask, vision inputs: per-prompt tensors such as
+    pixel_values), left-padded. A prompt without the image token gets one in front."""
+    img_tok = processor.image_token
+    texts = [p.text if img_tok in p.text else f"{img_tok} {p.text}" for p in prompts]
+    try:
+        enc = processor(images=[p.image for p in prompts], text=texts, padding=True, padding_side="left",
+                        return_tensors="pt", add_special_tokens=add_special_tokens)
+    except ValueError as e:
+        raise DataError(f"the processor refused a prompt's image: {e}") from None
+    text = {k: enc[k].to(device) for k in ("input_ids", "attention_mask")}
+    vision = {k: v.to(device) for k, v in enc.items() if k not in text and torch.is_tensor(v)}
+    for k, v in vision.items():
+        if v.shape[0] != len(prompts):  # Qwen2-VL packs every image's patches into one tensor
+            raise UserError(f"model.path: the processor's '{k}' is packed across images ({tuple(v.shape)} for "
+                            f"{len(prompts)} prompts); regen supports VLMs with one '{k}' row per image (LLaVA-style)")
+    return text, vision
+
+
+def select_vision(vision: dict | None, rows) -> dict:
+    """The vision inputs of some rows, as keyword arguments of the model's forward."""
+    return {} if not vision else {k: v[rows] for k, v in vision.items()}
+
+
+def check_trainable(model, model_cfg) -> None:
+    """model.freeze_vision on the model just loaded: acts on a VLM, refused on a text model."""
+    if hasattr(model.config, "vision_config"):
+        freeze_vision(model, model_cfg.freeze_vision, lora=model_cfg.lora is not None)
+    elif model_cfg.freeze_vision is not None:
+        raise UserError("model.freeze_vision is for vision-language models; this model reads no images")
+
+
+def freeze_vision(model, freeze: bool | None, lora: bool) -> None:
+    """model.freeze_vision: keep the vision tower fixed (default for a VLM); None = default."""
+    names = {n for n, _ in model.named_parameters() if any(part in n for part in VISION_PARTS)}
+    if not names:
+        raise UserError("model.freeze_vision: no vision-tower parameters found in this model (looked for "
+                        + ", ".join(p.rstrip(".") for p in VISION_PARTS) + ")")
+    if lora:
+        if freeze is False:
+            raise UserError("model.freeze_vision=false with model.lora: LoRA trains adapters only; name vision-tower "
+                            "modules in model.lora.target_modules to adapt the vision side")
+        return
+    if freeze is None or freeze:
+        for n, p in model.named_parameters():
+            if n in names:
+                p.requires_grad_(False)
