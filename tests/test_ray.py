@@ -10,6 +10,8 @@ import torch
 from regen.cli import main
 from tests.conftest import BRIGHT, read_jsonl
 
+pytestmark = pytest.mark.distributed  # multi-process: the CI's second tier (pyproject.toml markers)
+
 ray = pytest.importorskip("ray")
 
 # the learnable reward of test_train_e2e.test_grpo_raises_a_learnable_reward: first character not "1"

@@ -15,6 +15,8 @@ from regen.cli import main
 from tests.conftest import BRIGHT, NaNAt, read_jsonl
 from tests.test_train_e2e import ENDS_EVEN, FAST
 
+pytestmark = pytest.mark.distributed  # multi-process: the CI's second tier (pyproject.toml markers)
+
 # 4 prompts x 4 samples per step, minibatches of 8 (2 per rank) and 2 epochs: shuffled minibatches,
 # a KL reference and several optimizer steps per batch all cross the rank boundary
 SETUP = [*FAST, ENDS_EVEN, "train.global_minibatch_size=8", "train.ppo_epochs=2", "algorithm.kl_coef=0.05",
