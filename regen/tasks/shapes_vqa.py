@@ -32,7 +32,7 @@ QUESTIONS = {
 ANSWERS = {"colour": tuple(shapes.COLOURS), "shape": shapes.SHAPES, "position": tuple(shapes.POSITIONS)}
 IMAGE_TOKEN = "<image>"
 SPECIALS = ["<pad>", "<eos>", "<unk>", IMAGE_TOKEN]
-DRAWINGS = {"train": 24, "test": 4}  # drawings per combination
+DRAWINGS = {"train": 24, "test": 12}  # drawings per combination
 SPLIT_SEED = 5678
 
 
