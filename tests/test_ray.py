@@ -10,7 +10,7 @@ import torch
 from regen.cli import main
 from tests.conftest import BRIGHT, read_jsonl
 
-pytestmark = pytest.mark.distributed  # multi-process: the CI's second tier (pyproject.toml markers)
+pytestmark = pytest.mark.extended  # multi-process: the CI's second tier (pyproject.toml markers)
 
 ray = pytest.importorskip("ray")
 

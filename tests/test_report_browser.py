@@ -17,6 +17,8 @@ from regen.cli import main
 from regen.report import make_report
 from tests.test_report import image_run, rl_rows, synthetic_run, video_run
 
+pytestmark = pytest.mark.extended  # a real browser: the CI's second tier (scripts/test_extended.sh installs it)
+
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
@@ -25,7 +27,7 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
 
 if not (Path(CHROMIUM).is_file() and Path(CHROMEDRIVER).is_file()):
     pytest.skip(f"no Chromium found ({CHROMIUM}, {CHROMEDRIVER}): apt-get install chromium chromium-driver "
-                "(scripts/test.sh does this as root)", allow_module_level=True)
+                "(scripts/test_extended.sh does this as root)", allow_module_level=True)
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium not installed: pip install -e '.[dev]'")
 
 

@@ -15,7 +15,7 @@ from regen.cli import main
 from tests.conftest import BRIGHT, NaNAt, read_jsonl
 from tests.test_train_e2e import ENDS_EVEN, FAST
 
-pytestmark = pytest.mark.distributed  # multi-process: the CI's second tier (pyproject.toml markers)
+pytestmark = pytest.mark.extended  # multi-process: the CI's second tier (pyproject.toml markers)
 
 # 4 prompts x 4 samples per step, minibatches of 8 (2 per rank) and 2 epochs: shuffled minibatches,
 # a KL reference and several optimizer steps per batch all cross the rank boundary

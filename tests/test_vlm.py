@@ -164,7 +164,7 @@ def test_what_the_image_path_cannot_do_is_refused_by_name(vlm_base, base_model, 
     assert not (tmp_path / "a" / "checkpoints").exists()
 
 
-@pytest.mark.distributed
+@pytest.mark.extended  # multi-process: the CI's second tier
 def test_torchrun_two_processes_train_the_same_vlm_as_one(vlm_base, tmp_path):
     setup = [*VLM_FAST, "train.steps=2", "train.global_minibatch_size=8", "train.ppo_epochs=2", "run.threads=1",
              "checkpoint.every=0"]
