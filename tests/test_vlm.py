@@ -227,3 +227,21 @@ def test_a_chat_template_places_the_image_and_a_text_model_refuses_images(vlm_ba
     assert main(["train", f"model.path={base_model}", f"run.dir={tmp_path / 'text'}", *VLM_FAST[:1], "data.eval=null",
                  "log.progress=none"]) == 2
     assert "carry an 'image' but model.path is a text-only model" in capsys.readouterr().err
+
+
+@pytest.mark.extended  # Ray actors: the CI's second tier
+def test_ray_rollout_actors_sample_the_same_vlm_batches_as_one_process(vlm_base, tmp_path):
+    ray = pytest.importorskip("ray")
+    setup = [*VLM_FAST, "train.steps=3", "run.threads=1", "checkpoint.every=0"]
+    one, spread = tmp_path / "one", tmp_path / "ray"
+    assert main(["train", f"model.path={vlm_base}", f"run.dir={one}", *setup]) == 0
+    try:
+        assert main(["train", f"model.path={vlm_base}", f"run.dir={spread}", *setup, "distributed.mode=ray",
+                     "distributed.rollout_workers=2", "distributed.reward_workers=1"]) == 0
+    finally:
+        ray.shutdown()
+    a, b = read_jsonl(one / "metrics.jsonl"), read_jsonl(spread / "metrics.jsonl")
+    # the prompts' images travel to the actors: the same images, weights and uniforms, the same answers
+    assert [r["reward/mean"] for r in a] == [r["reward/mean"] for r in b]
+    assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-4, abs=1e-6)
+    assert a[-1]["grad_norm"] > 0
