@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from regen.data import PromptItem
 from regen.errors import DataError, UserError
+from regen.policies.vlm import is_processor
 
 
 def messages_of(row_prompt: str | None, meta: dict, where: str, i: int) -> list[dict]:
@@ -52,8 +53,7 @@ def render(items: list[PromptItem], tokenizer, system_prompt: str | None, where:
         msgs = messages_of(it.prompt, it.meta, where, i)
         if system_prompt is not None and msgs[0]["role"] != "system":
             msgs = [{"role": "system", "content": system_prompt}, *msgs]
-        shown = with_image(msgs, tokenizer.image_token) if it.image is not None and hasattr(tokenizer, "image_token") \
-            else msgs
+        shown = with_image(msgs, tokenizer.image_token) if it.image is not None and is_processor(tokenizer) else msgs
         try:
             text = tokenizer.apply_chat_template(shown, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # noqa: BLE001  (a Jinja error names what the template expected)

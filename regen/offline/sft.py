@@ -32,9 +32,9 @@ def encode_demos(demos: list[Demo], tok, max_len: int) -> tuple[torch.Tensor, to
     """Right-padded (N, L) input ids, attention mask, and labels that are IGNORE on the prompt.
     `tok` may be a vision-language model's processor: the prompts' image tokens are then expanded
     to the model's image positions (their pixels: `demo_vision`)."""
-    if is_processor(tok):
-        p_ids = [encode(tok, [VisionPrompt(d.prompt, _image_of(d))], True, "cpu")[0]["input_ids"][0].tolist()
-                 for d in demos]
+    if is_processor(tok):  # one batched call; each row's left padding dropped again
+        text, _ = encode(tok, [VisionPrompt(d.prompt, _image_of(d)) for d in demos], True, "cpu")
+        p_ids = [ids[m.bool()].tolist() for ids, m in zip(text["input_ids"], text["attention_mask"])]
         tok = tok.tokenizer
     else:
         p_ids = tok([d.prompt for d in demos], add_special_tokens=True)["input_ids"]
