@@ -193,3 +193,22 @@ def test_lora_runs_send_only_the_adapter(base_model, tmp_path):
     full_mb = sum(t.numel() * t.element_size() for t in load_file(str(base_model / "model.safetensors")).values()) / 1e6
     adapter_mb = rows[0]["sync/mb"]
     assert 0 < adapter_mb < full_mb / 5, (adapter_mb, full_mb)
+
+
+def test_a_multi_task_run_on_actors_routes_each_tasks_reward_as_one_process_does(base_model, tmp_path):
+    """The reward actors build the task-routed reward from the config: each task's prompts are
+    scored by that task's terms, so the per-task rewards (and the dynamic weights that learn from
+    them) are the ones a single process logs."""
+    tasks = ("tasks={even: {train: builtin:arithmetic:train, reward: [{name: format, args: {pattern: '.*[02468]', "
+             "require_eos: false}}]}, small: {train: builtin:arithmetic:train, weight: 3, reward: [{name: format, "
+             "args: {pattern: '[0-4].*', require_eos: false}}]}}")
+    common = ["train", f"model.path={base_model}", "log.progress=none", "rollout.global_batch_size=16",
+              "rollout.group_size=4", "rollout.max_new_tokens=4", "train.steps=4", "optim.lr=1e-3", "run.threads=1",
+              "task_mix.weights=dynamic", tasks]
+    single, spread = tmp_path / "single", tmp_path / "ray"
+    assert main([*common, f"run.dir={single}"]) == 0
+    assert main([*common, f"run.dir={spread}", *RAY, "distributed.max_staleness=0"]) == 0
+    pick = lambda rows: [{k: v for k, v in r.items() if k.startswith(("task/", "reward/even", "reward/small"))}  # noqa: E731
+                         for r in rows]
+    got, want = pick(read_jsonl(spread / "metrics.jsonl")), pick(read_jsonl(single / "metrics.jsonl"))
+    assert got == want and "reward/even/format" in want[0] and want[0]["task/small/share"] == 0.75

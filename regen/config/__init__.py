@@ -7,7 +7,7 @@ here (`prompts_per_step`, `minibatches_per_epoch`) and checked, so the loop neve
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -23,6 +23,13 @@ from regen.config.ops import (  # noqa: F401  (re-exported: regen.config is the 
     MirrorConfig,
     MlflowSettings,
     WandbSettings,
+)
+from regen.config.tasks import (  # noqa: F401  (RewardTerm, TaskConfig: re-exported)
+    RewardTerm,
+    TaskConfig,
+    TaskMixConfig,
+    TaskStream,
+    check_task_names,
 )
 
 # --------------------------------------------------------------------------- sections
@@ -60,16 +67,6 @@ class DataConfig(Section):
         None, description="With data.chat_template: a system turn put first in every prompt that has none.")
     on_bad_line: Literal["error", "skip"] = Field(
         "error", description="A malformed JSONL line: stop with its file and line number, or skip it and count it."
-    )
-
-
-class TaskConfig(Section):
-    """Options of the built-in synthetic arithmetic task."""
-
-    digits: int = Field(2, ge=1, le=6, description="Operands have at most this many digits.")
-    test_size: int = Field(500, ge=1, description="Prompts held out from all training (the eval split).")
-    demo_noise: float = Field(
-        0.4, ge=0.0, le=1.0, description="Fraction of SFT demonstrations whose answer is corrupted."
     )
 
 
@@ -213,12 +210,6 @@ class OptimConfig(Section):
     schedule: Literal["constant", "cosine"] = Field("constant", description="Learning-rate schedule after warm-up.")
 
 
-class RewardTerm(Section):
-    name: str = Field(description="Registered reward name (see `regen rewards`) or 'package.module:function'.")
-    weight: float = Field(1.0, description="Weight of this term in the total reward.")
-    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the function.")
-
-
 # --------------------------------------------------------------------------- roots
 
 
@@ -238,6 +229,11 @@ class RLConfig(Section):
     reward: list[RewardTerm] = Field(
         default_factory=lambda: [RewardTerm(name="exact_match")], description="Reward terms, summed with weights."
     )
+    tasks: dict[str, TaskStream] | None = Field(
+        None, description="Multi-task run: task streams by name, each with its own train / eval prompts, reward "
+        "terms and weight (then data.train, data.eval and reward are not read). Each step's prompts are drawn "
+        "from the streams by task_mix; metrics task/NAME/*, reward/NAME/TERM and eval/NAME/* per task.")
+    task_mix: TaskMixConfig = Field(default_factory=TaskMixConfig, description="Multi-task runs: the task weights.")
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
@@ -246,6 +242,11 @@ class RLConfig(Section):
     distributed: DistributedConfig = Field(
         default_factory=DistributedConfig, description="Where the work runs: one process, torchrun or Ray."
     )
+
+    @field_validator("tasks")
+    @classmethod
+    def _task_names(cls, v):
+        return check_task_names(v)
 
     @model_validator(mode="after")
     def _sizes(self) -> RLConfig:
@@ -276,6 +277,9 @@ class RLConfig(Section):
             )
         if t.global_minibatch_size is None:
             t.global_minibatch_size = r.global_batch_size
+        if self.tasks and a.name == "dpo":
+            raise ValueError("tasks: multi-task runs are for the online methods; algorithm.name=dpo trains on the "
+                             "preference pairs of data.train")
         if self.algorithm.name == "dpo":  # offline: pairs per step is train.global_minibatch_size, no rollout
             return self
         if t.global_minibatch_size > r.global_batch_size or r.global_batch_size % t.global_minibatch_size:
@@ -288,6 +292,9 @@ class RLConfig(Section):
                              f"train.global_minibatch_size={t.global_minibatch_size}")
         if not self.reward:
             raise ValueError("reward: at least one reward term is needed")
+        if self.tasks and self.eval.metrics:
+            raise ValueError("eval.metrics with tasks: the quality metrics compare one held-out set with one "
+                             "reference, not yet one per task; evaluate each task's export with `regen eval` instead")
         if self.modality == "flow" and self.model.freeze_vision is not None:
             raise ValueError(f"model.freeze_vision is for vision-language models, not algorithm.name={a.name}")
         f = self.flow

@@ -256,7 +256,19 @@ def describe(kind: type[BaseModel], prefix: str = "") -> list[tuple[str, str, st
         section = _optional_section(ann)
         if section is not None:  # its keys, e.g. model.lora.r: set them as model.lora={r: 8, ...}
             rows.extend((k, d, f"{desc} (inside {key})") for k, d, desc in describe(section, key + "."))
+        named = _named_sections(ann)
+        if named is not None:  # a mapping of name -> section (tasks): the keys of each entry
+            rows.extend((k, d, f"{desc} (each entry of {key})") for k, d, desc in describe(named, key + ".NAME."))
     return rows
+
+
+def _named_sections(ann) -> type[BaseModel] | None:
+    """The section class of a `dict[str, Section] | None` field, else None."""
+    for arg in getattr(ann, "__args__", ()):
+        if getattr(arg, "__origin__", None) is dict:
+            value = arg.__args__[1]
+            return value if isinstance(value, type) and issubclass(value, BaseModel) else None
+    return None
 
 
 def _optional_section(ann) -> type[BaseModel] | None:

@@ -54,14 +54,17 @@ MEDIA_QUALITY = [  # what the image / video metrics compare with
 
 # What every online RL method reads, whatever it trains.
 ONLINE = [
-    *_always("run", "model", "data.train", "data.eval", "data.columns", "data.on_bad_line",
+    *_always("run", "model", "data.columns", "data.on_bad_line", "tasks",
              "rollout.global_batch_size", "rollout.group_size", "train.steps",
              "train.ppo_epochs", "train.global_minibatch_size", "train.micro_batch_size", "train.grad_clip",
-             "train.precision", "train.offload", "optim", "reward", "eval.every", "eval.num_prompts",
+             "train.precision", "train.offload", "optim", "eval.every", "eval.num_prompts",
              "eval.samples_per_prompt", "checkpoint", "health", "mirror", "log", "algorithm.name",
              "algorithm.dynamic_sampling", "distributed.mode"),
     *_when("with algorithm.dynamic_sampling=true", lambda c: c.algorithm.dynamic_sampling,
            "algorithm.max_sampling_rounds"),
+    *_when("without tasks (in a multi-task run each task stream has its own train, eval and reward)",
+           lambda c: not c.tasks, "data.train", "data.eval", "reward"),
+    *_when("with tasks (a multi-task run)", lambda c: bool(c.tasks), "task_mix"),
     *QUALITY,
     *_when("under torchrun (distributed.mode torchrun or auto)", _torchrun, "distributed.strategy",
            "distributed.backend"),
@@ -74,8 +77,9 @@ ONLINE = [
 # What every method of a modality reads.
 def _arithmetic(cfg) -> bool:
     """The built-in arithmetic task is in use (its data, or its model recipe)."""
-    return cfg.model.init is not None or any(str(s).startswith("builtin:arithmetic")
-                                             for s in (cfg.data.train, cfg.data.eval))
+    specs = [cfg.data.train, cfg.data.eval] if not getattr(cfg, "tasks", None) else \
+        [x for s in cfg.tasks.values() if s.task is None for x in (s.train, s.eval)]
+    return cfg.model.init is not None or any(str(s).startswith("builtin:arithmetic") for s in specs)
 
 
 LM = [

@@ -183,6 +183,8 @@ class EpochSampler:
         return {"epoch": self.epoch, "cursor": self.cursor}
 
     def load_state(self, state: dict) -> None:
+        if "epoch" not in state:
+            raise DataError("the checkpoint's data position is a multi-task run's (tasks:): resume it with its tasks")
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
         self._perm = self._permutation(self.epoch)
 

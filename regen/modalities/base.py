@@ -144,9 +144,11 @@ class Modality:
     def export(self, folder: Path, gathered) -> None:
         raise NotImplementedError
 
-    def evaluate(self, items, reward, run_dir: Path, step: int, quality=None) -> dict[str, float]:
+    def evaluate(self, items, reward, run_dir: Path, step: int, quality=None, task: str | None = None
+                 ) -> dict[str, float]:
         """eval/* metrics of the held-out `items`: each reward term, and `quality` (regen.quality.Quality,
-        eval.metrics) called on the same samples."""
+        eval.metrics) called on the same samples. task: a multi-task run's task, whose kept samples
+        join the other tasks' of the same step (regen/modalities/lm_eval.py: write_samples)."""
         raise NotImplementedError
 
     def close(self) -> None:

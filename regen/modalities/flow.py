@@ -46,18 +46,16 @@ from regen.modalities.flow_copies import (  # noqa: F401  (build_policy: re-expo
     trained_pairs,
 )
 from regen.modalities.flow_dgpo import dgpo_micro_loss, dgpo_weights
-from regen.modalities.flow_media import save_media
+from regen.modalities.flow_eval import EVAL_SEED_OFFSET, to_samples  # noqa: F401  (re-exported)
 from regen.modalities.flow_plan import FlowPlan
-from regen.policies.flow import FlowPolicy, FlowSample
+from regen.policies.flow import FlowSample
 from regen.policies.flow_lora import BaseView, merged, save_adapter, swapped, trainable_state
 from regen.rewards import Sample
 from regen.runtime.dist import Dist
-from regen.runtime.metrics import nanmean
 from regen.samplers.flow import sde_steps, window_start
 
 PER_STEP = ("flow_grpo", "flow_dppo")  # trained on re-scored SDE transitions
 NFT_OLD, WEIGHT_EMA = "nft_old.safetensors", "weight_ema.safetensors"  # in each checkpoint
-EVAL_SEED_OFFSET = 7919  # held-out samples draw from their own stream: before/after on equal noise
 
 
 @dataclass
@@ -83,7 +81,7 @@ class FlowModality(Modality):
         folder = None if state is None else state["folder"]
         self.policy = build_policy(cfg, device, None if state is None or sampler_only else state["model_dir"])
         self.ref = self.ema = self.weight_ema = None
-        self._base_samples: list[Sample] | None = None  # reward_type=pairwise: the starting model's held-out samples
+        self.base_samples: dict[str | None, list] = {}  # reward_type=pairwise: the starting model's held-out samples
         if sampler_only:
             self.policy.unet.eval()
             return
@@ -325,63 +323,11 @@ class FlowModality(Modality):
         with swapped(self.policy, merged(net) if self.cfg.model.lora is not None else net):
             self.policy.export(folder)
 
-    def evaluate(self, items, reward, run_dir: Path, step: int, quality=None) -> dict[str, float]:
-        """Held-out prompts, sampled with the ODE and fixed noise; mean reward of each term and
-        the prompt adherence, with the first samples saved as PNG/GIF under samples/."""
-        e, f = self.cfg.eval, self.cfg.flow
-        items = items[: e.num_prompts]
-        gen = torch.Generator().manual_seed(self.cfg.run.seed + EVAL_SEED_OFFSET)
-        net = self.policy.unet if self.weight_ema is None else self.weight_ema  # Flow-GRPO evaluates its EMA
-        with swapped(self.policy, net):
-            out = self.policy.sample_ode([it.prompt for it in items], e.samples_per_prompt, gen, f.eval_steps, f.shift,
-                                         f.guidance)
-        samples = to_samples(self.policy, out, items, e.samples_per_prompt)
-        if self.cfg.algorithm.reward_type == "pairwise":
-            # a win rate within the held-out groups is 1/2 by symmetry: judge each sample against the
-            # starting model's on the same prompt and noise instead (1/2 at step 0, then the win rate)
-            base = self._base_eval(items, samples, step)
-            pairs = [Sample(s.prompt, s.completion, {**s.meta, "pair": i}, s.finished, s.media)
-                     for i, both in enumerate(zip(samples, base)) for s in both]
-            total, parts = reward(pairs)
-            total, parts = total[0::2], {k: v[0::2] for k, v in parts.items()}
-        else:
-            total, parts = reward(samples)
-        metrics = {"eval/reward": nanmean(total), **{f"eval/{k}": nanmean(v) for k, v in parts.items()}}
-        if all("colour" in it.meta for it in items):  # the built-in shapes: did it draw what was asked?
-            from regen.rewards.adherence import AdherenceAccuracy
+    def evaluate(self, items, reward, run_dir: Path, step: int, quality=None, task: str | None = None
+                 ) -> dict[str, float]:
+        from regen.modalities.flow_eval import evaluate_flow
 
-            # logged beside any reward, so a reward that is hacked (a flat colour) shows here
-            metrics["eval/adherence_accuracy"] = nanmean(AdherenceAccuracy()(samples))
-        if quality:
-            metrics |= {f"eval/{k}": v for k, v in quality(samples, step).items()}
-        if self.dist.main:
-            save_media(run_dir, step, out, total, policy=self.policy)
-        return metrics
-
-
-    def _base_eval(self, items, samples: list[Sample], step: int) -> list[Sample]:
-        """The starting model's held-out samples (same prompts and noise): this evaluation's own at
-        step 0, else sampled once from the starting model (after a resume)."""
-        if self._base_samples is None:
-            if step == 0:
-                self._base_samples = samples
-            else:
-                e, f = self.cfg.eval, self.cfg.flow
-                base = build_policy(self.cfg, self.device)
-                gen = torch.Generator().manual_seed(self.cfg.run.seed + EVAL_SEED_OFFSET)
-                out = base.sample_ode([it.prompt for it in items], e.samples_per_prompt, gen, f.eval_steps, f.shift,
-                                      f.guidance)
-                self._base_samples = to_samples(base, out, items, e.samples_per_prompt)
-        return self._base_samples
-
-
-def to_samples(policy: FlowPolicy, batch: FlowSample, items, n: int) -> list[Sample]:
-    """What a reward sees: the prompt, its row's attributes, and the pixels as uint8."""
-    from regen.tasks.shapes import to_uint8
-
-    with torch.no_grad():
-        pix = to_uint8(policy.decode(batch.x0).cpu()).numpy()
-    return [Sample(items[i // n].prompt, "", items[i // n].meta, True, pix[i]) for i in range(len(pix))]
+        return evaluate_flow(self, items, reward, run_dir, step, quality, task)
 
 
 def _gather_means(means: list, d: Dist) -> list:

@@ -9,16 +9,17 @@ from regen.policies.flow import FlowPolicy, FlowSample
 
 
 def save_media(run_dir: Path, step: int, sample: FlowSample, rewards: list[float] | None = None, limit: int = 16,
-               policy: FlowPolicy | None = None):
+               policy: FlowPolicy | None = None, task: str | None = None):
     """The first `limit` samples as PNG (images) or GIF (videos) under samples/step_N/, with a
     samples/step_N.jsonl row each (prompt, reward, image path relative to the run dir).
-    `policy` decodes sample.x0 to pixels (latent models); without it x0 must be pixels."""
+    `policy` decodes sample.x0 to pixels (latent models); without it x0 must be pixels. task: a
+    multi-task run's task, whose files go to samples/step_N/TASK/ and rows carry "task"."""
     from PIL import Image
 
     from regen.modalities.lm_eval import write_samples
     from regen.tasks.shapes import to_uint8
 
-    folder = run_dir / "samples" / f"step_{step:08d}"
+    folder = run_dir / "samples" / f"step_{step:08d}" / (task or "")
     folder.mkdir(parents=True, exist_ok=True)
     x0 = sample.x0[:limit]
     pix = to_uint8((x0 if policy is None else policy.decode(x0)).detach().cpu())
@@ -37,4 +38,4 @@ def save_media(run_dir: Path, step: int, sample: FlowSample, rewards: list[float
             Image.fromarray(arr.numpy()).resize(size, Image.NEAREST).save(path)
             row["image"] = str(path.relative_to(run_dir))
         rows.append(row)
-    write_samples(run_dir, step, rows)
+    write_samples(run_dir, step, rows, task)

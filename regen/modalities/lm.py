@@ -289,8 +289,9 @@ class LMModality(Modality):
     def export(self, folder: Path, gathered) -> None:
         self.policy.export(folder, None if gathered is None else gathered[0])
 
-    def evaluate(self, items, reward, run_dir: Path, step: int, quality=None) -> dict[str, float]:
-        return run_eval(self.policy, items, self.cfg, reward, run_dir, step, quality)
+    def evaluate(self, items, reward, run_dir: Path, step: int, quality=None, task: str | None = None
+                 ) -> dict[str, float]:
+        return run_eval(self.policy, items, self.cfg, reward, run_dir, step, quality, task)
 
 
 def load_policy_model(cfg, state: dict | None):

@@ -82,10 +82,11 @@ def evaluate_with_samples(
 
 def run_eval(
     policy, items: list[PromptItem], cfg, reward: CombinedReward | None,
-    run_dir: Path | None = None, step: int | None = None, quality=None,
+    run_dir: Path | None = None, step: int | None = None, quality=None, task: str | None = None,
 ) -> dict[str, float]:
     """Evaluate with the run's eval/rollout settings; keys prefixed 'eval/'. Given a run
-    directory and step, the first samples go to run_dir/samples/step_NNNNNNNN.jsonl."""
+    directory and step, the first samples go to run_dir/samples/step_NNNNNNNN.jsonl (task: a
+    multi-task run's task, whose rows join the other tasks' of that step)."""
     e, r = cfg.eval, cfg.rollout
     common = dict(top_p=r.top_p, max_new_tokens=r.max_new_tokens, batch_size=e.batch_size, seed=cfg.run.seed)
     items = items[: e.num_prompts]
@@ -94,7 +95,7 @@ def run_eval(
         reward=reward, quality=quality, step=step or 0, **common,
     )
     if run_dir is not None and step is not None and dist.current().main:
-        write_samples(Path(run_dir), step, rows)
+        write_samples(Path(run_dir), step, rows, task)
     out = {f"eval/{k}": v for k, v in sampled.items()}
     if e.greedy:
         greedy = evaluate(policy, items, temperature=1.0, greedy=True, **common)
@@ -107,11 +108,18 @@ def samples_path(run_dir: Path, step: int) -> Path:
     return run_dir / "samples" / f"step_{step:08d}.jsonl"
 
 
-def write_samples(run_dir: Path, step: int, rows: list[dict]) -> Path:
+def write_samples(run_dir: Path, step: int, rows: list[dict], task: str | None = None) -> Path:
     """Write under a temporary name and rename, so a report made during training never reads
-    half a file; a resumed run that redoes a step replaces that step's file."""
+    half a file; a resumed run that redoes a step replaces that step's file. task: the rows are
+    that task's (each gets "task"); they replace that task's rows of the file, the other tasks'
+    rows stay."""
     path = samples_path(run_dir, step)
     path.parent.mkdir(parents=True, exist_ok=True)
+    if task is not None:
+        rows = [{"task": task, **row} for row in rows]
+        if path.is_file():
+            others = [json.loads(ln) for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+            rows = [r for r in others if r.get("task") != task] + rows
     tmp = path.with_name(f".tmp-{path.name}")
     tmp.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
     os.replace(tmp, path)

@@ -54,10 +54,10 @@ class RolloutWorker:
 class RewardWorker:
     def __init__(self, cfg_tree: dict, threads: int):
         from regen.config import RLConfig
-        from regen.rewards import CombinedReward
+        from regen.rewards.tasks import build_reward
 
         torch.set_num_threads(threads)
-        self.reward = CombinedReward.from_config(RLConfig.model_validate(cfg_tree).reward)
+        self.reward = build_reward(RLConfig.model_validate(cfg_tree))
 
     def score(self, samples: list) -> tuple[list[float], dict[str, list[float]]]:
         return self.reward(samples)

@@ -79,6 +79,11 @@ def charts_for(runs: list[Run]) -> list[Chart]:
         charts.append(Chart("components", "reward components", comps))
     else:  # several runs x several components: one chart per component stays readable
         charts += [Chart(f"component-{c}", c, [c]) for c in comps]
+    tasks = sorted({k.split("/")[1] for k in keys if k.startswith("task/") and k.count("/") == 2})
+    if tasks:  # a multi-task run (config tasks:): each task's reward, and how its prompts were drawn
+        charts += [Chart("task-reward", "training reward per task", [f"task/{t}/reward" for t in tasks]),
+                   Chart("task-weight", "task weights (task_mix)", [f"task/{t}/weight" for t in tasks]),
+                   Chart("task-share", "share of each step's prompts per task", [f"task/{t}/share" for t in tasks])]
     charts += [
         Chart("kl", "KL to the reference", ["kl"]),
         Chart("clip", "clip fraction", ["clip_frac"]),

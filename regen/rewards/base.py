@@ -117,18 +117,19 @@ class CombinedReward:
         self.terms = terms
 
     @classmethod
-    def from_config(cls, reward_cfg) -> CombinedReward:
+    def from_config(cls, reward_cfg, where: str = "reward") -> CombinedReward:
+        """The terms of a config's reward list; `where` names that list in errors."""
         terms = []
         for i, t in enumerate(reward_cfg):
-            fn, args = resolve(t.name, where=f"reward.{i}.name"), dict(t.args)
+            fn, args = resolve(t.name, where=f"{where}.{i}.name"), dict(t.args)
             if getattr(fn, "reward_kind", "scalar") == "pairwise":
-                raise ConfigError(f"reward.{i}.name: '{t.name}' is a pairwise judge (it compares two samples); use it "
-                                  f"as {{name: pairwise, args: {{of: {t.name}}}}}")
+                raise ConfigError(f"{where}.{i}.name: '{t.name}' is a pairwise judge (it compares two samples); use "
+                                  f"it as {{name: pairwise, args: {{of: {t.name}}}}}")
             if getattr(fn, "reward_factory", False):
                 try:
                     fn, args = fn(**args), {}
                 except TypeError as e:
-                    raise ConfigError(f"reward.{i}.args: {e}") from None
+                    raise ConfigError(f"{where}.{i}.args: {e}") from None
             terms.append((t.name, fn, t.weight, args))
         return cls(terms)
 

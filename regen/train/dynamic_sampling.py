@@ -17,10 +17,11 @@ def signal_groups(rewards: torch.Tensor, n: int) -> torch.Tensor:
     return (finite.sum(1) >= 2) & (hi > lo)
 
 
-def refill_groups(run, step: int, batch, scored, score) -> tuple[object, tuple, dict]:
-    """The step's batch with its groups without signal replaced; returns the filled batch, its
-    (rewards, parts), and metrics. score(run, items, batch) scores a new round. Extra rounds are
-    sampled as more rounds of the same step (flow models: the same SDE steps)."""
+def refill_groups(run, step: int, items: list, batch, scored, score) -> tuple[list, object, tuple, dict]:
+    """The step's batch with its groups without signal replaced; returns the prompts of the
+    groups kept, the filled batch, its (rewards, parts), and metrics. score(run, items, batch)
+    scores a new round. Extra rounds are sampled as more rounds of the same step (flow models:
+    the same SDE steps)."""
     cfg = run.cfg
     n, G = cfg.rollout.group_size, cfg.prompts_per_step
     kept: list[tuple] = []
@@ -31,7 +32,8 @@ def refill_groups(run, step: int, batch, scored, score) -> tuple[object, tuple, 
         take = ok.nonzero().flatten()[: G - have]
         rows = (take[:, None] * n + torch.arange(n)).flatten()
         if len(rows):
-            kept.append((batch.select(rows), rewards[rows], {k: [v[i] for i in rows.tolist()] for k, v in parts.items()}))
+            kept.append((batch.select(rows), rewards[rows], {k: [v[i] for i in rows.tolist()] for k, v in parts.items()},
+                         [items[g] for g in take.tolist()]))
         have, dropped = have + len(take), dropped + int((~ok).sum())
         if have >= G or rounds >= cfg.algorithm.max_sampling_rounds:
             break
@@ -42,7 +44,7 @@ def refill_groups(run, step: int, batch, scored, score) -> tuple[object, tuple, 
     metrics = {"dynamic/extra_rounds": float(rounds), "dynamic/dropped_groups": float(dropped),
                "dynamic/filled_frac": have / G}
     if not kept:  # nothing with signal even after the extra rounds: train on the last batch (zero advantages)
-        return batch, scored, metrics
+        return items, batch, scored, metrics
     filled = run.m.concat([k[0] for k in kept])
     all_parts = {k: [x for part in kept for x in part[2][k]] for k in kept[0][2]}
-    return filled, (torch.cat([k[1] for k in kept]), all_parts), metrics
+    return [it for k in kept for it in k[3]], filled, (torch.cat([k[1] for k in kept]), all_parts), metrics

@@ -78,7 +78,7 @@ def train(cfg, resume: bool = False, force: bool = False) -> dict:
             scoring = scorer.submit(score, run, items, batch)
             dyn: dict[str, float] = {}
             if cfg.algorithm.dynamic_sampling:  # DAPO: replace groups without signal (waits for scores)
-                batch, scored, dyn = refill_groups(run, step, batch, scoring.result(), score)
+                items, batch, scored, dyn = refill_groups(run, step, items, batch, scoring.result(), score)
                 scoring = _done(scored)
             with run.precision.autocast():  # the same autocast as the update's: on-policy ratio 1
                 fixed = m.fixed_terms(batch)  # behaviour / reference log-probs, SDE means
@@ -106,7 +106,8 @@ def train(cfg, resume: bool = False, force: bool = False) -> dict:
             sync_m = run.rollout.sync(step)
 
             metrics = step_metrics(rewards, parts, adv.metrics, upd, lr, (t0, t1, t_wait, t2, t3), m.METRICS)
-            metrics.update({**m.batch_metrics(batch), **run.reward.stats(), **run.rollout.stats(), **sync_m, **dyn})
+            metrics.update({**m.batch_metrics(batch), **run.reward.stats(), **run.rollout.stats(), **sync_m, **dyn,
+                            **run.observe_tasks(items, rewards)})  # multi-task: per-task metrics, dynamic weights
             run.end_step(step, metrics, scored, bar)  # eval, log, health / rollback, checkpoint, stop if unscored
             if run.dist.any_true(stop.requested):  # torchrun: every rank stops at the same step
                 summary["stopped_early"] = True

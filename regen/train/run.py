@@ -20,6 +20,7 @@ from safetensors import SafetensorError
 
 from regen.config import RLConfig, dump_config, redact
 from regen.data import EpochSampler, PromptItem
+from regen.data.tasks import Task, TaskMix, task_metrics
 from regen.errors import RunStopped, UserError
 from regen.modalities import modality_class
 from regen.modalities.base import Modality
@@ -48,6 +49,7 @@ from regen.runtime.rundir import (
 from regen.train.start import (  # noqa: F401  (changed_settings: re-exported)
     SilentLog,
     changed_settings,
+    data_sampler,
     open_mirror,
     prepare_on_rank0,
     restore_books,
@@ -62,7 +64,7 @@ class Run:
     run_dir: Path
     m: Modality  # the models and what each stage does with them (regen/modalities/)
     opt: torch.optim.Optimizer
-    data: EpochSampler
+    data: EpochSampler | TaskMix
     gen: torch.Generator  # every random draw of sampling and the update (saved in checkpoints)
     reward: object  # CombinedReward, or its torchrun / Ray placement
     prompts: list[PromptItem]
@@ -80,6 +82,7 @@ class Run:
     unscored: int = 0  # consecutive steps in which no sample got a score
     quality: Quality | None = None  # eval.metrics: feature extractor and references, loaded once
     evals: list[dict] | None = None  # the evaluations so far (health.hacking_metric), rebuilt from metrics.jsonl
+    tasks: list[Task] | None = None  # a multi-task run's streams (regen/data/tasks.py); `data` is then a TaskMix
 
     @classmethod
     def start(cls, cfg: RLConfig, resume: bool = False, force: bool = False) -> Run:
@@ -87,7 +90,7 @@ class Run:
         device = resolve_device(cfg.run.device)
         d = rdist.start(cfg.distributed.mode, cfg.distributed.strategy, cfg.distributed.backend, device)
         check_placement(cfg, d)
-        reward, prompts, eval_items = run_inputs(cfg)
+        reward, prompts, eval_items, tasks = run_inputs(cfg)
         quality = Quality(cfg.eval, cfg.modality, cfg.run.seed, device=str(device))  # a wrong path stops here
         if eval_items:
             quality.check_items(eval_items)
@@ -116,7 +119,7 @@ class Run:
                             f"the manifest ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); move "
                             "that folder away to resume from the checkpoint before it") from None
         opt = make_optimizer(m.trained, cfg.optim)
-        data = EpochSampler(len(prompts), cfg.run.seed)
+        data = data_sampler(cfg, len(prompts), tasks)
         gen = torch.Generator(device=m.gen_device).manual_seed(cfg.run.seed)
         health = HealthMonitor(cfg.health, alerts)
         start_step = restore_books(state, run_dir, opt, data, gen, health,
@@ -138,7 +141,7 @@ class Run:
         return cls(cfg, run_dir, m, opt, data, gen, reward, prompts, eval_items, log, alerts, health, start_step,
                    rollout, d, Precision(cfg.train.precision, device), hooks, mirror,
                    state["state"].get("reward_versions") if state else None, quality=quality,
-                   evals=earlier_evals(run_dir) if state is not None and d.main else [])
+                   evals=earlier_evals(run_dir) if state is not None and d.main else [], tasks=tasks)
 
     # ------------------------------------------------------------------ each step
 
@@ -148,6 +151,15 @@ class Run:
         set_lr(self.opt, lr)
         self.m.set_lr(lr)
         return lr
+
+    def observe_tasks(self, items, rewards: torch.Tensor) -> dict[str, float]:
+        """A multi-task step: each task's share of the prompts and mean reward, which the dynamic
+        task weights learn from; task/NAME/weight is the weight of the next draw. {} otherwise."""
+        if not self.tasks:
+            return {}
+        metrics, means = task_metrics([t.name for t in self.tasks], items, rewards)
+        self.data.weights.observe(means)
+        return metrics | {f"task/{t.name}/weight": w for t, w in zip(self.tasks, self.data.weights.current())}
 
     def check_rewards(self, step: int, adv_metrics: dict) -> None:
         """Alerts on a step's rewards: too many missing, or a scorer whose version changed since
@@ -218,7 +230,8 @@ class Run:
     def evaluate(self, step: int) -> dict[str, float]:
         """Held-out metrics (eval/*: rewards, eval.metrics, eval.gates), with the first samples
         kept under samples/; a failed gate raises an alert."""
-        metrics = self.m.evaluate(self.eval_items, self.reward, self.run_dir, step, self.quality)
+        metrics = self.m.evaluate(self.eval_items, self.reward, self.run_dir, step, self.quality) if not self.tasks \
+            else eval_tasks(self.m, self.tasks, self.reward, self.run_dir, step)
         e = self.cfg.eval
         if self.quality.missing_base:
             self.alerts.fire(step, "eval_reference_missing", "eval.reference=base: this run resumed without "
@@ -342,6 +355,7 @@ def save_run_checkpoint(run: Run, step: int, gathered, opt_state: dict | None) -
             run.run_dir, step, None, opt,
             rng={"sampler": run.gen.get_state(), "torch_cpu": torch.get_rng_state()},
             state={"data": run.data.state(), "healthy": not run.health.problem,
+                   **({"task_weights": run.data.weights.state()} if run.tasks else {}),
                    "health": run.health.state(), "reward_versions": run.reward.versions(), "config": tree,
                    "versions": versions(run.cfg.model.path or run.cfg.model.init, run.reward.versions(), tree)},
             keep_last=run.cfg.checkpoint.keep_last,
@@ -353,3 +367,16 @@ def save_run_checkpoint(run: Run, step: int, gathered, opt_state: dict | None) -
         return None
     run.health.checkpointed()
     return folder
+
+
+def eval_tasks(m: Modality, tasks: list[Task], reward, run_dir: Path, step: int) -> dict[str, float]:
+    """eval/TASK/* for each task's held-out prompts (eval.num_prompts of each), and eval/* the
+    mean over the tasks of each metric they all have (every task counts alike)."""
+    per: list[dict[str, float]] = []
+    for t in tasks:
+        if t.eval_items:
+            got = m.evaluate(t.eval_items, reward, run_dir, step, None, task=t.name)
+            per.append({k.removeprefix("eval/").removeprefix(f"{t.name}/"): v for k, v in got.items()})  # TASK/TERM
+    out = {f"eval/{t.name}/{k}": v for t, got in zip([t for t in tasks if t.eval_items], per) for k, v in got.items()}
+    common = set.intersection(*(set(p) for p in per)) if per else set()
+    return out | {f"eval/{k}": sum(p[k] for p in per) / len(per) for k in sorted(common)}

@@ -8,9 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from regen.config import RLConfig, incompatible_changes, redact
-from regen.data import PromptItem, load_prompts
+from regen.data import EpochSampler, PromptItem, load_prompts
+from regen.data.tasks import Task, TaskMix, TaskWeights, tag
 from regen.errors import UserError
-from regen.rewards import CombinedReward
+from regen.rewards.tasks import build_reward
 from regen.runtime import checkpoint as ckpt
 from regen.runtime import dist as rdist
 from regen.runtime.alerts import Alerts
@@ -29,25 +30,48 @@ class SilentLog:
         pass
 
 
-def run_inputs(cfg: RLConfig) -> tuple[CombinedReward, list[PromptItem], list[PromptItem]]:
+def run_inputs(cfg: RLConfig) -> tuple[object, list[PromptItem], list[PromptItem], list[Task] | None]:
     """Loggers' packages, rewards and prompts: everything the user gave that can be wrong,
-    checked before the run directory is touched."""
+    checked before the run directory is touched. A multi-task run (cfg.tasks) returns its task
+    streams too, and the concatenation of their prompts (each tagged with meta['task'])."""
     require_loggers(cfg.log)  # W&B / MLflow installed when turned on
-    reward = CombinedReward.from_config(cfg.reward)
+    reward = build_reward(cfg)
     skip = cfg.data.on_bad_line == "skip"
     chat = cfg.data.chat_template and cfg.modality == "lm"
-    prompts = load_prompts(cfg.data.train, cfg.task, "data.train", skip, cfg.data.columns, chat)
-    eval_items = load_prompts(cfg.data.eval, cfg.task, "data.eval", skip, cfg.data.columns, chat) if cfg.data.eval \
-        else []
-    if chat:  # rendered with the model's own template before anything else is touched
-        from regen.data.chat import load_tokenizer, render
+    tok = None
+    if chat:  # prompts rendered with the model's own template before anything else is touched
+        from regen.data.chat import load_tokenizer
 
         tok = load_tokenizer(cfg.model, cfg.task)
-        prompts = render(prompts, tok, cfg.data.system_prompt, "data.train")
-        eval_items = render(eval_items, tok, cfg.data.system_prompt, "data.eval")
+
+    def read(spec: str | None, task, where: str) -> list[PromptItem]:
+        if not spec:
+            return []
+        items = load_prompts(spec, task, where, skip, cfg.data.columns, chat)
+        if chat:
+            from regen.data.chat import render
+
+            items = render(items, tok, cfg.data.system_prompt, where)
+        return items
+
+    if cfg.tasks:
+        tasks = [Task(name, tag(read(s.train, s.task or cfg.task, f"tasks.{name}.train"), name, f"tasks.{name}.train"),
+                      tag(read(s.eval, s.task or cfg.task, f"tasks.{name}.eval"), name, f"tasks.{name}.eval"), s.weight)
+                 for name, s in cfg.tasks.items()]
+        return reward, [p for t in tasks for p in t.prompts], [e for t in tasks for e in t.eval_items], tasks
+    prompts = read(cfg.data.train, cfg.task, "data.train")
+    eval_items = read(cfg.data.eval, cfg.task, "data.eval")
     if len(prompts) < cfg.prompts_per_step:
         raise UserError(f"data.train: {len(prompts)} prompts, fewer than the {cfg.prompts_per_step} per step")
-    return reward, prompts, eval_items
+    return reward, prompts, eval_items, None
+
+
+def data_sampler(cfg: RLConfig, n_prompts: int, tasks: list[Task] | None) -> EpochSampler | TaskMix:
+    """The run's prompt order: one shuffled stream, or the task streams mixed by task_mix."""
+    if not tasks:
+        return EpochSampler(n_prompts, cfg.run.seed)
+    weights = TaskWeights([t.name for t in tasks], [t.weight for t in tasks], cfg.task_mix)
+    return TaskMix([len(t.prompts) for t in tasks], weights, cfg.run.seed)
 
 
 def prepare_on_rank0(cfg: RLConfig, resume: bool, d: rdist.Dist) -> tuple[Path, bool]:
@@ -96,6 +120,8 @@ def restore_books(state: dict | None, run_dir: Path, opt, data, gen, health: Hea
     step = ckpt.restore(state, run_dir, opt, data, gen, load_optimizer)
     if "health" in state["state"]:
         health.load_state(state["state"]["health"])
+    if isinstance(data, TaskMix) and "task_weights" in state["state"]:
+        data.weights.load_state(state["state"]["task_weights"])
     return step
 
 
