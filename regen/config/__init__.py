@@ -7,9 +7,9 @@ here (`prompts_per_step`, `minibatches_per_epoch`) and checked, so the loop neve
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from regen.config.base import Section
 from regen.config.dist import DistributedConfig
@@ -217,7 +217,8 @@ class RLConfig(Section):
     """`regen train`: online RL of a causal language model."""
 
     run: RunConfig = Field(default_factory=lambda: RunConfig(dir="runs/grpo"))
-    model: ModelConfig
+    model: ModelConfig | None = Field(None, description="The model to train (required, except in a joint run, where "
+                                      "each entry of models: has its own).")
     data: DataConfig = Field(default_factory=DataConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
@@ -234,6 +235,13 @@ class RLConfig(Section):
         "terms and weight (then data.train, data.eval and reward are not read). Each step's prompts are drawn "
         "from the streams by task_mix; metrics task/NAME/*, reward/NAME/TERM and eval/NAME/* per task.")
     task_mix: TaskMixConfig = Field(default_factory=TaskMixConfig, description="Multi-task runs: the task weights.")
+    models: dict[str, dict[str, Any]] | None = Field(
+        None, description="Joint run: several trained models and which feeds which (regen/config/joint.py), e.g. "
+        "{enhancer: {model: ..., algorithm: {name: grpo}, rollout: {group_size: 4}, feeds: painter}, painter: "
+        "{model: ..., algorithm: {name: nft}, rollout: {group_size: 4}}}. Each holds its own model, algorithm, "
+        "rollout, flow, optim, train and critic sections, and feeds / frozen / train_at; run, data, reward, eval, "
+        "checkpoint, health, log, train.steps and the optim schedule are the run's. rollout.global_batch_size "
+        "counts the final samples of a step. Metrics NAME/* per model.")
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
@@ -243,6 +251,8 @@ class RLConfig(Section):
         default_factory=DistributedConfig, description="Where the work runs: one process, torchrun or Ray."
     )
 
+    _members: dict | None = PrivateAttr(None)
+
     @field_validator("tasks")
     @classmethod
     def _task_names(cls, v):
@@ -250,6 +260,10 @@ class RLConfig(Section):
 
     @model_validator(mode="after")
     def _sizes(self) -> RLConfig:
+        if self.models is not None:
+            self._joint()
+        elif self.model is None:
+            raise ValueError("model: required (model.path, model.init, or a joint run's models:)")
         if self.mirror.url and self.checkpoint.keep_last < 2:
             raise ValueError("checkpoint.keep_last must be at least 2 with mirror.url: the newest local "
                              "checkpoint may still be uploading when the next one is written")
@@ -295,7 +309,7 @@ class RLConfig(Section):
         if self.tasks and self.eval.metrics:
             raise ValueError("eval.metrics with tasks: the quality metrics compare one held-out set with one "
                              "reference, not yet one per task; evaluate each task's export with `regen eval` instead")
-        if self.modality == "flow" and self.model.freeze_vision is not None:
+        if self.modality == "flow" and self.model is not None and self.model.freeze_vision is not None:
             raise ValueError(f"model.freeze_vision is for vision-language models, not algorithm.name={a.name}")
         f = self.flow
         stochastic = a.name in ("flow_grpo", "flow_dppo")
@@ -315,7 +329,32 @@ class RLConfig(Section):
         if o is not None and (o.cache_len > o.max_len or o.max_len > r.max_new_tokens):
             raise ValueError(f"algorithm.overlong: need cache_len ({o.cache_len}) <= max_len ({o.max_len}) <= "
                              f"rollout.max_new_tokens ({r.max_new_tokens})")
+        if self.models is not None:
+            self._members = None
+            _ = self.members  # each model's own config, checked now
         return self
+
+    def _joint(self) -> None:
+        """A joint run: the step's rows per prompt are the product of the models' group sizes."""
+        from regen.config.joint import group_sizes
+
+        if not self.models:
+            raise ValueError("models: give the models of a joint run, or leave models out (null)")
+        if self.tasks:
+            raise ValueError("models with tasks: a joint run with several task streams is not supported yet")
+        size = 1
+        for n in group_sizes(self.models):
+            size *= n
+        self.rollout.group_size = size
+
+    @property
+    def members(self) -> dict:
+        """A joint run's models: name -> its RLConfig, in dataflow order (regen/config/joint.py)."""
+        from regen.config.joint import member_configs
+
+        if self._members is None:
+            self._members = member_configs(self)
+        return self._members
 
     def unread(self, given) -> list[str]:
         """Messages for keys the user set (dotted, see config/load.py) that this method does not read."""

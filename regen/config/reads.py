@@ -77,6 +77,8 @@ ONLINE = [
 # What every method of a modality reads.
 def _arithmetic(cfg) -> bool:
     """The built-in arithmetic task is in use (its data, or its model recipe)."""
+    if cfg.model is None:  # a joint run: its data
+        return any(str(s).startswith("builtin:arithmetic") for s in (cfg.data.train, cfg.data.eval))
     specs = [cfg.data.train, cfg.data.eval] if not getattr(cfg, "tasks", None) else \
         [x for s in cfg.tasks.values() if s.task is None for x in (s.train, s.eval)]
     return cfg.model.init is not None or any(str(s).startswith("builtin:arithmetic") for s in specs)
@@ -161,8 +163,20 @@ WHY = {
 }
 
 
+# A joint run (models:): the run's own keys; each model's are checked in regen/config/joint.py.
+JOINT = [
+    *_always("run", "data.train", "data.eval", "data.columns", "data.on_bad_line", "reward", "models",
+             "rollout.global_batch_size", "train.steps", "optim.warmup_steps", "optim.schedule", "eval.every",
+             "eval.num_prompts", "eval.samples_per_prompt", "eval.temperature", "eval.greedy", "eval.batch_size",
+             "eval.gates", "checkpoint", "health", "log", "distributed.mode"),
+    *_when("with the built-in arithmetic task (builtin:arithmetic data)", _arithmetic, "task.digits", "task.test_size"),
+]
+
+
 def declared(cfg) -> list[Read]:
     """Every key the configured method reads, with its conditions."""
+    if getattr(cfg, "models", None):
+        return JOINT
     name = cfg.algorithm.name
     if name == "dpo":
         return OWN["dpo"]
@@ -182,6 +196,11 @@ def unread(cfg, given: Iterable[str]) -> list[str]:
         if any(not r.when or r.test(cfg) for r in matches):
             continue
         name = cfg.algorithm.name
+        if getattr(cfg, "models", None):
+            out.append(f"{key} is not read in a joint run (models:)" + (
+                f": give it inside each models.NAME ({key.split('.')[0]} is a model's own section)"
+                if key.split(".")[0] in ("model", "algorithm", "rollout", "flow", "optim", "train", "critic") else ""))
+            continue
         if matches:
             out.append(f"{key} is read only {matches[0].when} (algorithm.name={name})")
             continue

@@ -35,7 +35,7 @@ class PrefPair:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-BUILTIN_TASKS = ("arithmetic", "shapes", "moving-shapes", "shapes-vqa")
+BUILTIN_TASKS = ("arithmetic", "shapes", "moving-shapes", "shapes-vqa", "shapes-paraphrase")
 
 
 def _builtin(spec: str, tasks: tuple[str, ...] = ("arithmetic",)) -> tuple[str, str]:
@@ -116,6 +116,10 @@ def load_prompts(spec: str, task, where: str, skip_bad: bool = False,
             from regen.tasks import shapes_vqa
 
             return shapes_vqa.prompts(split)
+        if name == "shapes-paraphrase":  # the shapes prompts in words the painter does not know (joint runs)
+            from regen.tasks import shapes_paraphrase
+
+            return shapes_paraphrase.prompts(split)
         if name != "arithmetic":  # image / video prompts, meta = the drawn attributes
             return shapes.prompts("image" if name == "shapes" else "video", split)
         return arithmetic.prompts(split, task.digits, task.test_size)
@@ -139,9 +143,13 @@ def load_demos(spec: str, task, where: str, skip_bad: bool = False,
     if spec.startswith("builtin:"):
         from regen.tasks import arithmetic
 
-        name, split = _builtin(spec, ("arithmetic", "shapes-vqa"))
+        name, split = _builtin(spec, ("arithmetic", "shapes-vqa", "shapes-paraphrase"))
         if split != "train":
             raise DataError(f"{where}: demonstrations come from the train split, not '{spec}'")
+        if name == "shapes-paraphrase":
+            from regen.tasks import shapes_paraphrase
+
+            return shapes_paraphrase.demonstrations(task.demo_noise)
         if name == "shapes-vqa":
             from regen.tasks import shapes_vqa
 

@@ -15,7 +15,8 @@ placement (regen/placement/) see only these methods:
                 fixed_terms(b)            what stays fixed during the update, computed while scoring
                 behaviour_terms(b, fixed)  the same, from the weights that sampled a late batch (Ray)
   3. advantage  advantages(r, b, fixed)   -> Advantages
-  4. update     minibatch(...), micro_loss(mini, pos), aux_step(...)   (regen/train/update.py)
+  4. update     update(opt, ...)           the optimizer steps (regen/train/update.py), which ask
+                minibatch(...), micro_loss(mini, pos), aux_step(...)
                 after_update(step)        slow copies follow the weights (NFT's old policy, EMA)
   5. sync       the placement pushes `trained`'s tensors (sync_state) to the samplers
   books         gather / save / restore / export, evaluate, frozen (parked while sampling)
@@ -56,6 +57,12 @@ class Modality:
     def trained(self) -> torch.nn.Module:
         """The module the optimizer steps (DDP / FSDP2 act on it; checkpoints save it)."""
         raise NotImplementedError
+
+    def optimizer(self, optim) -> torch.optim.Optimizer:
+        """The optimizer of `trained` (a joint run: one parameter group per model)."""
+        from regen.runtime.optim import make_optimizer
+
+        return make_optimizer(self.trained, optim)
 
     def frozen(self) -> tuple[list, list]:
         """(optimizers, modules) that sampling does not use: parked in CPU memory with train.offload."""
@@ -101,6 +108,14 @@ class Modality:
         raise NotImplementedError
 
     # ---- 4. update
+    def update(self, opt, batch, adv: Advantages, fixed: dict, gen: torch.Generator, step: int, prec=None,
+               d=None) -> dict[str, float]:
+        """The step's optimizer steps (regen/train/update.py) with this modality's config; a joint
+        run updates each of its models with its own."""
+        from regen.train.update import update
+
+        return update(self, opt, batch, adv, fixed, self.cfg, gen, step, prec, d)
+
     def minibatch(self, batch, idx: torch.Tensor, adv: Advantages, fixed: dict, gen: torch.Generator):
         raise NotImplementedError
 

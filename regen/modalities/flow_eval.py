@@ -27,17 +27,19 @@ def to_samples(policy: FlowPolicy, batch: FlowSample, items, n: int) -> list[Sam
     return [Sample(items[i // n].prompt, "", items[i // n].meta, True, pix[i]) for i in range(len(pix))]
 
 
-def evaluate_flow(mod, items, reward, run_dir: Path, step: int, quality=None, task: str | None = None
-                  ) -> dict[str, float]:
+def evaluate_flow(mod, items, reward, run_dir: Path, step: int, quality=None, task: str | None = None,
+                  conditions: list[str] | None = None) -> dict[str, float]:
     """eval/* of the held-out `items` for FlowModality `mod`; task: a multi-task run's task
-    (its samples are kept beside the other tasks' of the same step)."""
+    (its samples are kept beside the other tasks' of the same step). conditions: what the model
+    draws from instead of the items' prompts (a joint run's rewrites, kept beside each image);
+    the rewards still judge the samples against the items."""
     e, f = mod.cfg.eval, mod.cfg.flow
     items = items[: e.num_prompts]
     gen = torch.Generator().manual_seed(mod.cfg.run.seed + EVAL_SEED_OFFSET)
     net = mod.policy.unet if mod.weight_ema is None else mod.weight_ema  # Flow-GRPO evaluates its EMA
     with swapped(mod.policy, net):
-        out = mod.policy.sample_ode([it.prompt for it in items], e.samples_per_prompt, gen, f.eval_steps, f.shift,
-                                    f.guidance)
+        out = mod.policy.sample_ode(conditions or [it.prompt for it in items], e.samples_per_prompt, gen,
+                                    f.eval_steps, f.shift, f.guidance)
     samples = to_samples(mod.policy, out, items, e.samples_per_prompt)
     if mod.cfg.algorithm.reward_type == "pairwise":
         # a win rate within the held-out groups is 1/2 by symmetry: judge each sample against the
@@ -58,7 +60,10 @@ def evaluate_flow(mod, items, reward, run_dir: Path, step: int, quality=None, ta
     if quality:
         metrics |= {f"eval/{k}": v for k, v in quality(samples, step).items()}
     if mod.dist.main:
-        save_media(run_dir, step, out, total, policy=mod.policy, task=task)
+        n = e.samples_per_prompt
+        extra = None if conditions is None else [{"prompt": items[i // n].prompt, "rewrite": conditions[i // n]}
+                                                 for i in range(len(samples))]
+        save_media(run_dir, step, out, total, policy=mod.policy, task=task, rows=extra)
     return metrics
 
 

@@ -9,11 +9,12 @@ from regen.policies.flow import FlowPolicy, FlowSample
 
 
 def save_media(run_dir: Path, step: int, sample: FlowSample, rewards: list[float] | None = None, limit: int = 16,
-               policy: FlowPolicy | None = None, task: str | None = None):
+               policy: FlowPolicy | None = None, task: str | None = None, rows: list[dict] | None = None):
     """The first `limit` samples as PNG (images) or GIF (videos) under samples/step_N/, with a
     samples/step_N.jsonl row each (prompt, reward, image path relative to the run dir).
     `policy` decodes sample.x0 to pixels (latent models); without it x0 must be pixels. task: a
-    multi-task run's task, whose files go to samples/step_N/TASK/ and rows carry "task"."""
+    multi-task run's task, whose files go to samples/step_N/TASK/ and rows carry "task". rows:
+    fields that replace each sample's defaults (a joint run: the user's prompt and the rewrite)."""
     from PIL import Image
 
     from regen.modalities.lm_eval import write_samples
@@ -25,9 +26,9 @@ def save_media(run_dir: Path, step: int, sample: FlowSample, rewards: list[float
     pix = to_uint8((x0 if policy is None else policy.decode(x0)).detach().cpu())
     up = max(1, 64 // pix.shape[-2])  # small samples upscaled to 64 px so they can be seen, large ones kept
     size = (pix.shape[-2] * up, pix.shape[-3] * up)  # PIL: (width, height)
-    rows = []
+    out = []
     for i, arr in enumerate(pix):
-        row = {"prompt": sample.prompts[i], "reward": None if rewards is None else rewards[i]}
+        row = {"prompt": sample.prompts[i], **(rows[i] if rows else {}), "reward": None if rewards is None else rewards[i]}
         if arr.dim() == 4:  # video: an animated GIF
             frames = [Image.fromarray(f.numpy()).resize(size, Image.NEAREST) for f in arr]
             path = folder / f"{i}.gif"
@@ -37,5 +38,5 @@ def save_media(run_dir: Path, step: int, sample: FlowSample, rewards: list[float
             path = folder / f"{i}.png"
             Image.fromarray(arr.numpy()).resize(size, Image.NEAREST).save(path)
             row["image"] = str(path.relative_to(run_dir))
-        rows.append(row)
-    write_samples(run_dir, step, rows, task)
+        out.append(row)
+    write_samples(run_dir, step, out, task)

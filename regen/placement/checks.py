@@ -25,6 +25,16 @@ def which_loop(cfg: RLConfig) -> str:
     the model and the method's modality do not go together."""
     from regen.policies.flow_load import is_flow_model
 
+    if cfg.models:  # a joint run: each model with its method, in one process
+        for name, member in cfg.members.items():
+            try:
+                which_loop(member)
+            except UserError as e:
+                raise UserError(f"models.{name}: {e}") from None
+        if cfg.distributed.mode in ("torchrun", "ray") or rdist.launched_by_torchrun():
+            raise UserError(f"distributed.mode={cfg.distributed.mode} with models: a joint run trains in one process "
+                            "(torchrun and Ray: not supported yet)")
+        return "online"
     flow_algo, flow_model = cfg.modality == "flow", is_flow_model(cfg.model)
     model = cfg.model.path or cfg.model.init
     if flow_algo and not flow_model:

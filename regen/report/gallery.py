@@ -68,7 +68,11 @@ class Gallery:
             meta.append(f"answer {_text(row['answer'], 200)}{mark}")
         if "finished" in row:
             meta.append("ended with EOS" if row["finished"] else "truncated")
+        if "task" in row:  # a multi-task run: which task's held-out prompt
+            meta.append(f"task {_text(row['task'], 60)}")
         parts = [self._media_html(step, i, row)]
+        if "rewrite" in row:  # a joint run: what the enhancer wrote, which the painter drew (above the image)
+            parts.insert(0, f'<div class="completion"><span class="lbl">rewrite</span>{_text(row["rewrite"])}</div>')
         if "prompt" in row:
             parts.append(f'<div class="prompt"><span class="lbl">prompt</span>{_text(row["prompt"])}</div>')
         if "completion" in row:

@@ -15,5 +15,11 @@ def _shapes_vlm(seed: int, digits: int):
     return build_model(seed)
 
 
+def _enhancer(seed: int, digits: int):
+    from regen.tasks.shapes_paraphrase import build_model
+
+    return build_model(seed)
+
+
 # model.init recipes of language models: name -> fn(seed, digits) -> (model, tokenizer or processor)
-LM_RECIPES = {"arith-char-gpt2": _arith, "shapes-vlm": _shapes_vlm}
+LM_RECIPES = {"arith-char-gpt2": _arith, "shapes-vlm": _shapes_vlm, "shapes-enhancer": _enhancer}

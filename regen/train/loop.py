@@ -33,7 +33,6 @@ from regen.runtime.progress import StepProgress
 from regen.runtime.signals import GracefulStop
 from regen.train.dynamic_sampling import refill_groups
 from regen.train.run import Run
-from regen.train.update import update
 
 
 def train(cfg, resume: bool = False, force: bool = False) -> dict:
@@ -97,7 +96,7 @@ def train(cfg, resume: bool = False, force: bool = False) -> dict:
             # through Adam's momentum.
             lr = run.set_lr(step)
             scored = bool(adv.valid.any())
-            upd = update(m, run.opt, batch, adv, fixed, cfg, gen, step, run.precision, run.dist) if scored \
+            upd = m.update(run.opt, batch, adv, fixed, gen, step, run.precision, run.dist) if scored \
                 else {"update_skipped": 1.0}
             m.after_update(step)  # NFT's old policy, the weight EMA
             t3 = time.perf_counter()

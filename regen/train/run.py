@@ -35,7 +35,7 @@ from regen.runtime.hacking import earlier_evals, hacking
 from regen.runtime.health import HealthMonitor
 from regen.runtime.metrics import MetricsLogger
 from regen.runtime.offload import PhaseHooks, loop_hooks
-from regen.runtime.optim import lr_at, make_optimizer, set_lr
+from regen.runtime.optim import lr_at, set_lr
 from regen.runtime.precision import Precision
 from regen.runtime.rundir import (
     end_status,
@@ -118,7 +118,7 @@ class Run:
             raise UserError(f"checkpoint '{state['folder']}': its model cannot be loaded although its files match "
                             f"the manifest ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); move "
                             "that folder away to resume from the checkpoint before it") from None
-        opt = make_optimizer(m.trained, cfg.optim)
+        opt = m.optimizer(cfg.optim)
         data = data_sampler(cfg, len(prompts), tasks)
         gen = torch.Generator(device=m.gen_device).manual_seed(cfg.run.seed)
         health = HealthMonitor(cfg.health, alerts)
@@ -357,7 +357,7 @@ def save_run_checkpoint(run: Run, step: int, gathered, opt_state: dict | None) -
             state={"data": run.data.state(), "healthy": not run.health.problem,
                    **({"task_weights": run.data.weights.state()} if run.tasks else {}),
                    "health": run.health.state(), "reward_versions": run.reward.versions(), "config": tree,
-                   "versions": versions(run.cfg.model.path or run.cfg.model.init, run.reward.versions(), tree)},
+                   "versions": versions(model_source(run.cfg), run.reward.versions(), tree)},
             keep_last=run.cfg.checkpoint.keep_last,
             save_extra=lambda f: run.m.save(f, gathered),
         )
@@ -380,3 +380,10 @@ def eval_tasks(m: Modality, tasks: list[Task], reward, run_dir: Path, step: int)
     out = {f"eval/{t.name}/{k}": v for t, got in zip([t for t in tasks if t.eval_items], per) for k, v in got.items()}
     common = set.intersection(*(set(p) for p in per)) if per else set()
     return out | {f"eval/{k}": sum(p[k] for p in per) / len(per) for k in sorted(common)}
+
+
+def model_source(cfg) -> str:
+    """Where the trained model came from (a joint run: each model's, by name)."""
+    if cfg.models:
+        return ", ".join(f"{n}={c.model.path or c.model.init}" for n, c in cfg.members.items())
+    return cfg.model.path or cfg.model.init

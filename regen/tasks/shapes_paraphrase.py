@@ -1,0 +1,109 @@
+"""User prompts for the shapes painter in words it was never trained on: the joint-training demo
+(config `models:`; regen/modalities/joint.py).
+
+The painter (the shapes flow model, regen/tasks/shapes.py) reads a bag of its own words: "a red
+circle at the left". Users write "draw a crimson disc on the west side": synonyms the painter's
+prompt encoder maps to <unk>, in phrasings it never saw. A tiny word-level enhancer language
+model rewrites the user's prompt before the painter draws it. Its SFT teaches it the painter's
+phrasing from paraphrases written in the painter's own words, never the synonyms: which colour
+"crimson" is, it can only learn from the painter's images, through the reward.
+
+Rows carry the attributes (colour, shape, position) so the `adherence` reward judges each image
+against what the user asked. Held out for evaluation: the 12 attribute combinations the shapes
+task holds out, written in phrasings (templates) that training never uses.
+"""
+
+from __future__ import annotations
+
+import random
+
+from regen.data import Demo, PromptItem
+from regen.tasks import shapes
+
+SEED = 2718
+SYNONYMS = {
+    "red": ("crimson", "scarlet"), "green": ("emerald", "lime"), "blue": ("navy", "azure"),
+    "yellow": ("golden", "lemon"),
+    "circle": ("disc", "round"), "square": ("box", "block"), "triangle": ("wedge", "pyramid"),
+    "left": ("west", "leftmost"), "right": ("east", "rightmost"), "top": ("north", "upper"),
+    "bottom": ("south", "lower"), "centre": ("middle", "center"),
+}
+TRAIN_TEMPLATES = ("a {c} {s} at the {p}", "draw a {c} {s} on the {p} side", "{p} : one {c} {s}")
+TEST_TEMPLATES = ("please paint a {s} , {c} , placed {p}", "{c} {s} in the {p} region")
+END = "->"  # ends every user prompt: the enhancer's rewrite follows
+
+
+def _text(template: str, c: str, s: str, p: str) -> str:
+    return f"{template.format(c=c, s=s, p=p)} {END}"
+
+
+def prompts(split_name: str) -> list[PromptItem]:
+    """User prompts in synonyms: every train combination in each training phrasing, with the
+    synonyms drawn per row; the held-out combinations in the held-out phrasings, each with both
+    synonyms of every word."""
+    train, test = shapes.split("image")
+    rng = random.Random(SEED + (split_name == "test"))
+    rows = []
+    if split_name == "train":
+        for m in train:
+            for t in TRAIN_TEMPLATES:
+                words = [rng.choice(SYNONYMS[m[k]]) for k in ("colour", "shape", "position")]
+                rows.append(PromptItem(_text(t, *words), dict(m)))
+        return rows
+    for m in test:
+        for t in TEST_TEMPLATES:
+            for i in range(2):
+                rows.append(PromptItem(_text(t, *(SYNONYMS[m[k]][i] for k in ("colour", "shape", "position"))),
+                                       dict(m)))
+    return rows
+
+
+def demonstrations(noise: float = 0.5) -> list[Demo]:
+    """The enhancer's SFT: paraphrases in the painter's own words -> the painter's phrasing, for
+    every attribute combination; no synonym ever appears. In a fraction `noise` of them (the
+    task.demo_noise of `regen sft`) each attribute word is, with probability 1/2, an unknown
+    placeholder and the target's attribute a uniformly drawn one: the enhancer learns to keep the
+    painter's phrasing, and to guess evenly, where it does not understand a word. That is its
+    exploration when it meets a synonym; which guess was right it learns from the reward."""
+    rng = random.Random(SEED + 7)
+    choices = {"colour": list(shapes.COLOURS), "shape": list(shapes.SHAPES), "position": list(shapes.POSITIONS)}
+    demos = []
+    for m in shapes._all("image"):
+        for t in TRAIN_TEMPLATES:
+            words, target = dict(m), dict(m)
+            if rng.random() < noise:
+                for k in words:
+                    if rng.random() < 0.5:
+                        words[k], target[k] = rng.choice(PLACEHOLDERS), rng.choice(choices[k])
+            demos.append(Demo(_text(t, words["colour"], words["shape"], words["position"]),
+                              " " + shapes.prompt_text(target), dict(m)))
+    return demos
+
+
+PLACEHOLDERS = ("thing", "whatsit", "stuff", "such")
+
+
+def vocabulary() -> list[str]:
+    words = {"a", "at", "the", END, *shapes.COLOURS, *shapes.SHAPES, *shapes.POSITIONS, *PLACEHOLDERS}
+    words |= {w for syn in SYNONYMS.values() for w in syn}
+    for t in TRAIN_TEMPLATES + TEST_TEMPLATES:
+        words |= {w for w in t.split() if not w.startswith("{")}
+    return sorted(words)
+
+
+def build_model(seed: int):
+    """A word-level GPT-2 (2 layers, width 64) over the painter's words, the synonyms and the
+    phrasings' words, from random init, and its tokenizer (saved / loaded like any hub model)."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>", *vocabulary()])}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    config = GPT2Config(vocab_size=len(tok), n_positions=32, n_embd=64, n_layer=2, n_head=4,
+                        activation_function="gelu_pytorch_tanh", bos_token_id=tok.eos_token_id,
+                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(config), tok
