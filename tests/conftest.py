@@ -92,6 +92,16 @@ BASE_OF = {"lm": "base_model", "flow": "flow_base", "vlm": "vlm_base"}  # the fi
 
 
 @pytest.fixture(scope="session")
+def enhancer_base(tmp_path_factory) -> str:
+    """The shapes-enhancer word-level GPT-2 after a short SFT on the painter's phrasing (export folder)."""
+    run = tmp_path_factory.mktemp("enhancer_sft")
+    assert main(["sft", "model.init=shapes-enhancer", "data.train=builtin:shapes-paraphrase:train", "data.eval=null",
+                 f"run.dir={run}", "sft.steps=150", "sft.global_batch_size=32", "optim.lr=3e-3", "task.demo_noise=0.5",
+                 "log.progress=none", "log.tensorboard=false", "run.threads=2"]) == 0
+    return str(run / "export")
+
+
+@pytest.fixture(scope="session")
 def vlm_base(tmp_path_factory) -> str:
     """The shapes-vqa LLaVA (regen/tasks/shapes_vqa.py) after a short SFT: a folder with its processor."""
     run = tmp_path_factory.mktemp("vlm_sft")

@@ -58,7 +58,7 @@ def test_group_of_one_rejected():
 def test_model_needs_exactly_one_source():
     with pytest.raises(ConfigError, match="exactly one of model.path"):
         load_config(RLConfig, None, ["model.path=a", "model.init=arith-char-gpt2"])
-    with pytest.raises(ConfigError, match="'model' is required"):
+    with pytest.raises(ConfigError, match="model: required"):
         load_config(RLConfig, None, [])
 
 

@@ -36,7 +36,9 @@ def test_ppo_learns_and_checkpoints_its_critic(base_model, tmp_path):
     # the critic learns to predict the return: its loss falls and it explains some of the variance
     vl = [r["critic/value_loss"] for r in rows]
     assert sum(vl[-10:]) < sum(vl[:10])
-    assert max(r["critic/explained_var"] for r in rows[-10:]) > 0
+    # (over the whole run: once the reward saturates, the returns hardly vary and explained variance,
+    # 1 - Var(G - V) / Var(G), is dominated by that near-zero denominator)
+    assert max(r["critic/explained_var"] for r in rows) > 0
     ck = run / "checkpoints" / "step_00000040"
     manifest = json.loads((ck / "manifest.json").read_text())["sha256"]
     assert {"critic/model.safetensors", "critic/config.json", "critic_optimizer.safetensors",

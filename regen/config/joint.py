@@ -62,6 +62,8 @@ def chain(models: dict[str, dict[str, Any]], kinds: dict[str, str]) -> list[str]
                          "(models.ENHANCER.feeds: PAINTER); got " + ", ".join(
                              f"{n} ({kinds[n]}" + (f", feeds {models[n]['feeds']})" if models[n].get("feeds") else ")")
                              for n in names))
+    if all(models[n].get("frozen") for n in names):
+        raise ValueError("models: every model is frozen (models.NAME.frozen): nothing would be trained")
     return order
 
 

@@ -118,6 +118,8 @@ def _defaults(kind: type[BaseModel]) -> dict:
         if field.is_required():
             continue
         value = field.get_default(call_default_factory=True)
+        if value is None:  # left out, so that dotted overrides can fill it (model.path=..., models.a.feeds=...)
+            continue
         if isinstance(value, BaseModel):
             value = value.model_dump(mode="json")
         elif isinstance(value, list):

@@ -206,6 +206,12 @@ class JointModality(Modality):
             out[f"{n}/lr"] = next((g["lr"] for g in opt.param_groups if g["model"] == n), 0.0)
         losses = [out[f"{n}/loss"] for n in self.names if f"{n}/loss" in out]
         out["loss"] = sum(losses) if losses else math.nan
+        # what the health monitor watches, over both models: a non-finite step of either (rollback
+        # restores both), the larger KL to its reference
+        out["nonfinite_skipped"] = sum(out.get(f"{n}/nonfinite_skipped", 0.0) for n in self.names)
+        kls = [out[f"{n}/kl"] for n in self.names if f"{n}/kl" in out]
+        if kls:
+            out["kl"] = max(kls)
         return out
 
     def after_update(self, step: int) -> None:

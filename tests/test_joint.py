@@ -1,0 +1,185 @@
+"""Joint runs (config `models:`): an enhancer language model feeds a painter flow model and one
+image reward trains both. The advantage routing against hand-computed values, a killed run that
+resumes bitwise equal, rollback of both models, frozen models and schedules, export of both,
+and the config errors of a miswired pipeline."""
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from regen.cli import main
+from regen.config import RLConfig, load_config
+from regen.modalities.joint import JointModality, rewrite_rewards
+from regen.runtime.dist import Dist
+from tests.conftest import NaNAt, export_weights, read_jsonl, same_run
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def joint_args(enhancer, painter, run, *extra) -> list[str]:
+    """2 user prompts x 2 rewrites x 2 images per step, 3 ODE steps: a few tenths of a second a step."""
+    return ["train", f"run.dir={run}", "data.train=builtin:shapes-paraphrase:train", "data.eval=null",
+            "rollout.global_batch_size=8", "reward=[{name: brightness, args: {target: 0.6}}]", "train.steps=4",
+            "log.progress=none", "log.tensorboard=false", "run.threads=2",
+            f"models.enhancer={{model: {{path: {enhancer}}}, algorithm: {{name: grpo}}, rollout: {{group_size: 2, "
+            "max_new_tokens: 7}, optim: {lr: 1.0e-3}, feeds: painter}",
+            f"models.painter={{model: {{path: {painter}}}, algorithm: {{name: nft}}, rollout: {{group_size: 2}}, "
+            "flow: {steps: 3, eval_steps: 3}, optim: {lr: 1.0e-3}}", *extra]
+
+
+# ---------------------------------------------------------------- the routing of one reward
+
+
+def test_rewrite_rewards_are_the_mean_of_each_rewrites_images_without_the_missing():
+    r = torch.tensor([1.0, 0.0, 0.6, float("nan"), float("nan"), float("nan")])
+    got = rewrite_rewards(r, 2)
+    assert got[:2].tolist() == pytest.approx([0.5, 0.6]) and torch.isnan(got[2])
+
+
+def test_advantages_route_the_image_reward_to_both_models(enhancer_base, flow_base, tmp_path):
+    cfg = load_config(RLConfig, None, joint_args(enhancer_base, flow_base, tmp_path / "r")[1:]
+                      + ["rollout.global_batch_size=6", "models.enhancer.rollout.group_size=3"])
+    m = JointModality(cfg, torch.device("cpu"), Dist())
+    from regen.data import load_prompts
+
+    items = load_prompts("builtin:shapes-paraphrase:train", cfg.task, "data.train")[:1]  # one user prompt
+    batch = m.sample(m.inputs(items), 6, m.plan(torch.Generator().manual_seed(0), 1))
+    assert len(batch.rewrites) == 3 and len(batch) == 6
+    # images of rewrite 0: 1, 0; rewrite 1: .6, .2; rewrite 2: missing, .4
+    rewards = torch.tensor([1.0, 0.0, 0.6, 0.2, float("nan"), 0.4])
+    adv = m.advantages(rewards, batch, {})
+    # painter, by hand (Flow-GRPO / GRPO group advantage, unbiased std, eps 1e-6), per rewrite's 2 images:
+    # (1 - .5) / .70711 = .70711; (.6 - .4) / .28284 = .70711; rewrite 2 has one valid image: no group
+    s = 0.5**0.5
+    p = adv.parts["painter"]
+    assert p.adv[:4].tolist() == pytest.approx([s, -s, s, -s], abs=1e-5)
+    assert p.valid.tolist() == [True, True, True, True, False, False]
+    # enhancer: rewrite rewards .5, .4, .4 (the missing image left out); mean .43333, std .057735
+    e = adv.parts["enhancer"]
+    want = [(0.5 - 1.3 / 3) / 0.0577350, (0.4 - 1.3 / 3) / 0.0577350, (0.4 - 1.3 / 3) / 0.0577350]
+    first = e.adv if e.adv.dim() == 1 else e.adv[:, 0]
+    assert first.tolist() == pytest.approx(want, abs=1e-4) and e.valid.all()
+    assert adv.valid is p.valid and adv.metrics["enhancer/zero_std_frac"] == 0.0  # the loop reads the images'
+
+
+# ---------------------------------------------------------------- books of both models
+
+
+def test_joint_run_exports_both_models_loadable_as_they_are(enhancer_base, flow_base, tmp_path):
+    run = tmp_path / "j"
+    assert main(joint_args(enhancer_base, flow_base, run, "data.eval=builtin:shapes-paraphrase:test",
+                           "eval.every=4", "eval.num_prompts=3", "checkpoint.every=2")) == 0
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(run / "export" / "enhancer")  # plain transformers
+    from regen.policies.flow import FlowPolicy
+
+    FlowPolicy.load(run / "export" / "painter", torch.device("cpu"))
+    rows = read_jsonl(run / "metrics.jsonl")
+    steps = [r for r in rows if "reward/mean" in r]
+    assert all(r["enhancer/trained"] == 1.0 and r["painter/trained"] == 1.0 for r in steps)
+    assert all(r["enhancer/lr"] == 1e-3 and "painter/grad_norm" in r for r in steps)
+    kept = read_jsonl(run / "samples" / "step_00000004.jsonl")
+    assert all(r["prompt"].endswith("->") and "rewrite" in r and (run / r["image"]).is_file() for r in kept)
+    for step in (2, 4):
+        folder = run / "checkpoints" / f"step_{step:08d}"
+        assert (folder / "enhancer" / "model").is_dir() and (folder / "painter" / "model").is_dir()
+
+
+def test_frozen_and_scheduled_models(enhancer_base, flow_base, tmp_path):
+    """painter frozen for the run: its weights stay as loaded; enhancer trained from step 3 only."""
+    run = tmp_path / "f"
+    assert main(joint_args(enhancer_base, flow_base, run, "models.painter.frozen=true",
+                           "models.enhancer.train_at=[[3, null]]", "checkpoint.every=2")) == 0
+    before = {k.split(":", 1)[1]: v for k, v in export_weights(Path(flow_base).parent).items() if "export/unet" in k}
+    after = {k.split(":", 1)[1]: v for k, v in export_weights(run).items() if "export/painter/unet" in k}
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    rows = [r for r in read_jsonl(run / "metrics.jsonl") if "reward/mean" in r]
+    assert [r["enhancer/trained"] for r in rows] == [0.0, 0.0, 1.0, 1.0]
+    assert all(r["painter/trained"] == 0.0 for r in rows)
+    from safetensors.torch import load_file
+
+    start = load_file(str(Path(enhancer_base) / "model.safetensors"))
+    at2 = load_file(str(run / "checkpoints" / "step_00000002" / "enhancer" / "model" / "model.safetensors"))
+    end = load_file(str(run / "export" / "enhancer" / "model.safetensors"))
+    assert all(torch.equal(start[k], at2[k]) for k in start)  # not trained in stage 1
+    assert any(not torch.equal(start[k], end[k]) for k in start)  # trained in stage 2
+
+
+def test_rollback_restores_both_models(enhancer_base, flow_base, tmp_path, monkeypatch):
+    from regen.modalities.flow import FlowModality
+
+    nan = NaNAt(FlowModality.micro_loss, {3, 4})  # the painter's one micro-batch of steps 3 and 4
+    monkeypatch.setattr(FlowModality, "micro_loss", lambda self, mini, pos: nan(self, mini, pos))
+    restored = []
+    real = JointModality.restore
+    monkeypatch.setattr(JointModality, "restore", lambda self, folder: (restored.append(folder), real(self, folder)))
+    run = tmp_path / "rb"
+    assert main(joint_args(enhancer_base, flow_base, run, "checkpoint.every=2", "health.rollback_after_nonfinite=2",
+                           "checkpoint.keep_last=3")) == 0
+    alerts = [a for a in read_jsonl(run / "alerts.jsonl") if a["kind"] == "rollback"]
+    assert len(alerts) == 1 and alerts[0]["step"] == 4 and "step_00000002" in alerts[0]["message"]
+    assert restored == [run / "checkpoints" / "step_00000002"]
+    # after the rollback both models hold the step-2 weights: the step-4 checkpoint written right after is
+    # those weights (the painter's steps 3-4 were skipped, the enhancer's were undone)
+    from safetensors.torch import load_file
+
+    for name in ("enhancer/model/model.safetensors", "painter/model/unet/diffusion_pytorch_model.safetensors"):
+        a = load_file(str(run / "checkpoints" / "step_00000002" / name))
+        b = load_file(str(run / "checkpoints" / "step_00000004" / name))
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+
+
+def test_a_killed_joint_run_resumes_bitwise_equal(enhancer_base, flow_base, tmp_path):
+    ref, run = tmp_path / "ref", tmp_path / "killed"
+    args = lambda r: joint_args(enhancer_base, flow_base, r, "train.steps=8", "checkpoint.every=1")  # noqa: E731
+    assert main(args(ref)) == 0
+    proc = subprocess.Popen([sys.executable, "-m", "regen", *args(run)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, cwd=ROOT)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:  # the moment: the step-3 checkpoint is complete
+        if (run / "checkpoints" / "step_00000003" / "manifest.json").exists():
+            break
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    done = sorted(p.name for p in (run / "checkpoints").iterdir() if (p / "manifest.json").exists())
+    assert done and done[-1] < "step_00000008", done  # killed mid-run: steps are left to resume
+    assert main(args(run)) == 0  # the same command resumes from the newest complete checkpoint
+    same_run(ref, run)
+
+
+# ---------------------------------------------------------------- miswired configs
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["models.enhancer.feeds=paintr"], "models.enhancer.feeds: unknown model 'paintr' (models: enhancer, painter)"),
+    (["models.painter.feeds=enhancer"], "models.enhancer.feeds: a cycle (enhancer -> painter -> enhancer)"),
+    (["models.enhancer.feeds=null", "models.painter.feeds=enhancer"],
+     "models.painter.feeds: painter makes images, and enhancer is a language model, which reads text prompts"),
+    (["models.enhancer.feeds=null"], "models: the pipeline supported is two models"),
+    (["models.enhancer.algorithm.clip_lo=0.1"], "models.enhancer: unknown key 'algorithm.clip_lo'"),
+    (["models.enhancer.flow.steps=3"], "models.enhancer: flow.steps is not read by algorithm.name=grpo"),
+    (["models.painter.model.path=ENHANCER"], "models.painter: algorithm.name=nft trains flow-matching image/video "
+     "models; model"),
+    (["models.enhancer.frozen=true", "models.painter.frozen=true"], "every model is frozen"),
+    (["models.enhancer.frozen=true", "models.enhancer.train_at=[[1, 2]]"], "frozen: true and train_at contradict"),
+    (["models.enhancer.train.steps=3"], "models.enhancer.train.steps: set it once for the run"),
+    (["models.enhancer.data={train: x}"], "models.enhancer.data: not a key of a model"),
+    (["algorithm.name=nft"], "algorithm.name is not read in a joint run (models:): give it inside each models.NAME"),
+    (["model.path=x"], "model.path is not read in a joint run"),
+    (["distributed.mode=torchrun"], "a joint run trains in one process"),
+])
+def test_a_miswired_joint_config_is_one_error_naming_the_field(enhancer_base, flow_base, tmp_path, capsys, extra,
+                                                               message):
+    extra = [e.replace("ENHANCER", enhancer_base) for e in extra]
+    assert main(joint_args(enhancer_base, flow_base, tmp_path / "bad", *extra)) != 0
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert not (tmp_path / "bad" / "metrics.jsonl").exists()
