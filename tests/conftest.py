@@ -151,10 +151,10 @@ def job(request) -> Job:
 
 def nan_at_steps(monkeypatch, steps) -> None:
     """In this process, the loss is NaN at these RL steps (tests/faults.py)."""
-    import regen.train.loop as loop
+    import regen.train.update as upd
     from tests.faults import nan_update
 
-    monkeypatch.setattr(loop, "update", nan_update(loop.update, steps))
+    monkeypatch.setattr(upd, "update", nan_update(upd.update, steps))
 
 
 @pytest.fixture

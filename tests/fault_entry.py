@@ -20,7 +20,7 @@ import sys
 
 import regen.runtime.checkpoint as ckpt
 import regen.runtime.metrics as metrics
-import regen.train.loop as loop
+import regen.train.update as upd
 from regen.cli import main
 from regen.train.run import Run
 from tests.faults import nan_update
@@ -34,7 +34,7 @@ def _die() -> None:
 def _install() -> None:
     nan_steps = {int(s) for s in os.environ.get("REGEN_FAULT_NAN_STEPS", "").split(",") if s}
     if nan_steps:
-        loop.update = nan_update(loop.update, nan_steps)
+        upd.update = nan_update(upd.update, nan_steps)
     when = os.environ.get("REGEN_FAULT_KILL", "")
     kind, _, arg = when.partition(":")
     if kind == "after_save":

@@ -3,8 +3,8 @@ that must really die (tests/fault_entry.py)."""
 
 
 def nan_update(real_update, steps):
-    """`update` of regen/train/loop.py with the loss NaN at these RL steps (by step, so a resumed
-    run sees the same steps fail)."""
+    """`update` of regen/train/update.py (every modality's optimizer steps go through it) with the
+    loss NaN at these RL steps (by step, so a resumed run sees the same steps fail)."""
 
     def update(m, *args, **kw):
         if args[6] not in steps:  # update(m, opt, batch, adv, fixed, cfg, gen, step, ...)
