@@ -5,12 +5,14 @@ The painter (the shapes flow model, regen/tasks/shapes.py) reads a bag of its ow
 circle at the left". Users write "draw a crimson disc on the west side": synonyms the painter's
 prompt encoder maps to <unk>, in phrasings it never saw. A tiny word-level enhancer language
 model rewrites the user's prompt before the painter draws it. Its SFT teaches it the painter's
-phrasing from paraphrases written in the painter's own words, never the synonyms: which colour
-"crimson" is, it can only learn from the painter's images, through the reward.
+phrasing from paraphrases written in the painter's own words; where a synonym stands, its SFT
+target is drawn at random, so which colour "crimson" is it can only learn from the painter's
+images, through the reward.
 
 Rows carry the attributes (colour, shape, position) so the `adherence` reward judges each image
 against what the user asked. Held out for evaluation: the 12 attribute combinations the shapes
-task holds out, written in phrasings (templates) that training never uses.
+task holds out, written in phrasings (templates) that training never uses (new orders of the
+training phrasings' words).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ SYNONYMS = {
     "bottom": ("south", "lower"), "centre": ("middle", "center"),
 }
 TRAIN_TEMPLATES = ("a {c} {s} at the {p}", "draw a {c} {s} on the {p} side", "{p} : one {c} {s}")
-TEST_TEMPLATES = ("please paint a {s} , {c} , placed {p}", "{c} {s} in the {p} region")
+TEST_TEMPLATES = ("on the {p} side draw a {c} {s}", "one {c} {s} at the {p}")  # new orders of known words
 END = "->"  # ends every user prompt: the enhancer's rewrite follows
 
 
@@ -59,32 +61,32 @@ def prompts(split_name: str) -> list[PromptItem]:
 
 
 def demonstrations(noise: float = 0.5) -> list[Demo]:
-    """The enhancer's SFT: paraphrases in the painter's own words -> the painter's phrasing, for
-    every attribute combination; no synonym ever appears. In a fraction `noise` of them (the
-    task.demo_noise of `regen sft`) each attribute word is, with probability 1/2, an unknown
-    placeholder and the target's attribute a uniformly drawn one: the enhancer learns to keep the
-    painter's phrasing, and to guess evenly, where it does not understand a word. That is its
-    exploration when it meets a synonym; which guess was right it learns from the reward."""
+    """The enhancer's SFT: paraphrases in the painter's own words -> the painter's phrasing, one
+    for every attribute combination and phrasing, and round(16 * noise) more of each (noise: the
+    task.demo_noise of `regen sft`) in which each attribute word is, with probability 1/2, a
+    synonym of a uniformly drawn value and the target's attribute another uniformly drawn value:
+    the enhancer learns the painter's phrasing, and that a synonym says nothing it knows (too many
+    random targets to memorise), so it guesses evenly where one stands. That is its exploration;
+    which synonym means which word it can only learn from the painter's images, through the reward."""
     rng = random.Random(SEED + 7)
     choices = {"colour": list(shapes.COLOURS), "shape": list(shapes.SHAPES), "position": list(shapes.POSITIONS)}
     demos = []
     for m in shapes._all("image"):
         for t in TRAIN_TEMPLATES:
-            words, target = dict(m), dict(m)
-            if rng.random() < noise:
+            demos.append(Demo(_text(t, m["colour"], m["shape"], m["position"]), " " + shapes.prompt_text(m), dict(m)))
+            for _ in range(round(16 * noise)):
+                words, target = dict(m), dict(m)
                 for k in words:
                     if rng.random() < 0.5:
-                        words[k], target[k] = rng.choice(PLACEHOLDERS), rng.choice(choices[k])
-            demos.append(Demo(_text(t, words["colour"], words["shape"], words["position"]),
-                              " " + shapes.prompt_text(target), dict(m)))
+                        words[k] = rng.choice(SYNONYMS[rng.choice(choices[k])])
+                        target[k] = rng.choice(choices[k])
+                demos.append(Demo(_text(t, words["colour"], words["shape"], words["position"]),
+                                  " " + shapes.prompt_text(target), dict(m)))
     return demos
 
 
-PLACEHOLDERS = ("thing", "whatsit", "stuff", "such")
-
-
 def vocabulary() -> list[str]:
-    words = {"a", "at", "the", END, *shapes.COLOURS, *shapes.SHAPES, *shapes.POSITIONS, *PLACEHOLDERS}
+    words = {"a", "at", "the", END, *shapes.COLOURS, *shapes.SHAPES, *shapes.POSITIONS}
     words |= {w for syn in SYNONYMS.values() for w in syn}
     for t in TRAIN_TEMPLATES + TEST_TEMPLATES:
         words |= {w for w in t.split() if not w.startswith("{")}
