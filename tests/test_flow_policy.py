@@ -75,17 +75,17 @@ def test_flow_sft_learns_saves_samples_and_resumes_exactly(tmp_path):
               "sft.global_batch_size=16", "optim.lr=1e-3", "eval.num_prompts=2", "eval.samples_per_prompt=2",
               "log.progress=none", "log.tensorboard=false", "run.threads=2"]
     a, b = tmp_path / "a", tmp_path / "b"
-    assert main([*common, f"run.dir={a}", "sft.steps=30", "eval.every=10", "checkpoint.every=15"]) == 0
+    assert main([*common, f"run.dir={a}", "sft.steps=16", "eval.every=8", "checkpoint.every=8"]) == 0
     rows = read_jsonl(a / "metrics.jsonl")
     loss = [r["loss"] for r in rows if "loss" in r]
-    assert sum(loss[-5:]) < sum(loss[:5])  # flow-matching loss falls
-    samples = read_jsonl(a / "samples" / "step_00000030.jsonl")
+    assert sum(loss[-4:]) < sum(loss[:4])  # flow-matching loss falls
+    samples = read_jsonl(a / "samples" / "step_00000016.jsonl")
     assert len(samples) == 4 and samples[0]["prompt"] == shapes.prompt_text(shapes.split("image")[1][0])
     assert (a / samples[0]["image"]).is_file()
     assert (a / "export" / "flow_policy.json").is_file()
-    # exact resume: 15 steps, then 15 more from the checkpoint == 30 straight
-    assert main([*common, f"run.dir={b}", "sft.steps=15", "eval.every=10"]) == 0
-    assert main([*common, f"run.dir={b}", "sft.steps=30", "eval.every=10", "--resume"]) == 0
+    # exact resume: 8 steps, then 8 more from the checkpoint == 16 straight
+    assert main([*common, f"run.dir={b}", "sft.steps=8", "eval.every=8"]) == 0
+    assert main([*common, f"run.dir={b}", "sft.steps=16", "eval.every=8", "--resume"]) == 0
     wa = load_file(str(a / "export" / "unet" / "diffusion_pytorch_model.safetensors"))
     wb = load_file(str(b / "export" / "unet" / "diffusion_pytorch_model.safetensors"))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -60,10 +60,11 @@ def evaluate_flow(mod, items, reward, run_dir: Path, step: int, quality=None, ta
     if quality:
         metrics |= {f"eval/{k}": v for k, v in quality(samples, step).items()}
     if mod.dist.main:
-        n = e.samples_per_prompt
-        extra = None if conditions is None else [{"prompt": items[i // n].prompt, "rewrite": conditions[i // n]}
-                                                 for i in range(len(samples))]
-        save_media(run_dir, step, out, total, policy=mod.policy, task=task, rows=extra)
+        n, extra, pick = e.samples_per_prompt, None, None
+        if conditions is not None:  # a joint run: the first image of each prompt, beside the user's prompt and the rewrite
+            pick = list(range(0, len(samples), n))[:16]
+            extra = [{"prompt": items[i // n].prompt, "rewrite": conditions[i // n]} for i in pick]
+        save_media(run_dir, step, out, total, policy=mod.policy, task=task, rows=extra, pick=pick)
     return metrics
 
 
