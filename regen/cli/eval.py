@@ -51,10 +51,12 @@ def resolve_source(src: str) -> Source:
         raise UserError(f"eval: '{src}' is a file, not a run directory, checkpoint or model folder")
     if (p / "manifest.json").is_file():  # one checkpoint
         ckpt.verify(p)
+        refuse_joint(src, p)
         in_run = p.parent.name == "checkpoints" and (p.parent.parent / "config.yaml").is_file()
         run = p.parent.parent if in_run else None
         return Source(p / "model", p.name, run)
     if (p / "checkpoints").is_dir() or (p / "config.yaml").is_file():  # a run directory
+        refuse_joint(src, p)
         folder, warnings = ckpt.latest_valid(p)
         for w in warnings:
             print(f"warning: {w}", file=sys.stderr)
@@ -67,6 +69,22 @@ def resolve_source(src: str) -> Source:
         return Source(p, p.resolve().name, None)
     raise UserError(f"eval: '{src}' is not a run directory, checkpoint or model folder "
                     "(no checkpoints/, manifest.json or config.json in it)")
+
+
+def refuse_joint(src: str, p: Path) -> None:
+    """A joint run (models:) or one of its checkpoints holds several models; its evaluation (the
+    enhancer's rewrite drawn by the painter, judged against the user's prompt) is the run's own."""
+    names = sorted(q.name for q in p.iterdir() if (q / "model").is_dir()) if not (p / "model").exists() else []
+    if not names and (p / "config.yaml").is_file():
+        try:
+            tree = yaml.safe_load((p / "config.yaml").read_text())
+        except yaml.YAMLError:
+            tree = None  # load_run_config names the problem
+        names = sorted(tree["models"]) if isinstance(tree, dict) and isinstance(tree.get("models"), dict) else []
+    if names:
+        raise UserError(f"eval: '{src}' is a joint run's (models: {', '.join(names)}); regen eval takes one model. Its "
+                        "joint held-out evaluation is in the run's metrics.jsonl (eval/* every eval.every steps); one "
+                        "model alone: regen eval RUN/export/NAME (after the run) with --data and --reward for it")
 
 
 def load_run_config(path: Path, max_new_tokens: int | None):
