@@ -70,7 +70,7 @@ def test_advantages_route_the_image_reward_to_both_models(enhancer_base, flow_ba
 # ---------------------------------------------------------------- books of both models
 
 
-def test_joint_run_exports_both_models_loadable_as_they_are(enhancer_base, flow_base, tmp_path):
+def test_joint_run_exports_both_models_loadable_as_they_are(enhancer_base, flow_base, tmp_path, capsys):
     run = tmp_path / "j"
     assert main(joint_args(enhancer_base, flow_base, run, "data.eval=builtin:shapes-paraphrase:test",
                            "eval.every=4", "eval.num_prompts=3", "checkpoint.every=2")) == 0
@@ -80,6 +80,9 @@ def test_joint_run_exports_both_models_loadable_as_they_are(enhancer_base, flow_
     from regen.policies.flow import FlowPolicy
 
     FlowPolicy.load(run / "export" / "painter", torch.device("cpu"))
+    from diffusers import UNet2DConditionModel
+
+    UNet2DConditionModel.from_pretrained(run / "export" / "painter" / "unet")  # plain diffusers
     rows = read_jsonl(run / "metrics.jsonl")
     steps = [r for r in rows if "reward/mean" in r]
     assert all(r["enhancer/trained"] == 1.0 and r["painter/trained"] == 1.0 for r in steps)
@@ -89,6 +92,10 @@ def test_joint_run_exports_both_models_loadable_as_they_are(enhancer_base, flow_
     for step in (2, 4):
         folder = run / "checkpoints" / f"step_{step:08d}"
         assert (folder / "enhancer" / "model").is_dir() and (folder / "painter" / "model").is_dir()
+    for source in (run, run / "checkpoints" / "step_00000004"):  # regen eval takes one model: said so, by name
+        assert main(["eval", str(source)]) == 2
+        err = capsys.readouterr().err
+        assert "joint run's (models: enhancer, painter)" in err and "RUN/export/NAME" in err
 
 
 def test_frozen_and_scheduled_models(enhancer_base, flow_base, tmp_path):
