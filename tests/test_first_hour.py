@@ -129,6 +129,7 @@ def test_rewards_are_listed_with_their_arguments_and_eval_can_pass_them(base_mod
     assert "must be a mapping" in capsys.readouterr().err
 
 
+@pytest.mark.extended  # LoRA train + export in subprocesses (10 s): second CI tier, keeps scripts/test.sh short
 def test_lora_runs_and_exports_print_no_library_warnings(base_model, tmp_path):
     done = regen("train", f"model.path={base_model}", *FAST, "train.steps=1", "data.eval=null", "run.dir=r",
                  "model.lora={r: 2, alpha: 4}", cwd=tmp_path)

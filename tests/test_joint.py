@@ -142,6 +142,7 @@ def test_rollback_restores_both_models(enhancer_base, flow_base, tmp_path, monke
         assert all(torch.equal(a[k], b[k]) for k in a), name
 
 
+@pytest.mark.extended  # three joint runs in subprocesses (13 s): second CI tier, keeps scripts/test.sh short
 def test_a_killed_joint_run_resumes_bitwise_equal(enhancer_base, flow_base, tmp_path):
     ref, run = tmp_path / "ref", tmp_path / "killed"
     args = lambda r: joint_args(enhancer_base, flow_base, r, "train.steps=8", "checkpoint.every=1")  # noqa: E731

@@ -222,6 +222,7 @@ def _train(base, run, url, *extra, backoff_s=0.01):
                  "log.tensorboard=false", reward, *extra])
 
 
+@pytest.mark.extended  # a server killed and restarted under a run (9 s): second CI tier, keeps scripts/test.sh short
 def test_training_survives_a_server_that_dies_and_returns(base_model, tmp_path):
     srv = Server("tests.reward_fixtures:quick_exact").start()
     back = Server("tests.reward_fixtures:quick_exact", port=srv.port)

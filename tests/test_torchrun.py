@@ -163,3 +163,34 @@ def test_torchrun_with_mode_single_is_refused(base_model, tmp_path):
     out = torchrun(tmp_path / "r", base_model, "distributed.mode=single")
     assert out.returncode != 0 and "started by torchrun with 2 processes but distributed.mode=single" in out.stderr
     assert not (tmp_path / "r").exists()
+
+
+HANG = """
+import sys, time
+import torch, torch.distributed as tdist
+from regen.runtime import dist as rdist
+d = rdist.start("torchrun", "ddp", "gloo", torch.device("cpu"), float(sys.argv[1]))
+if d.rank == 1:  # a rank that hangs: never joins the collectives
+    time.sleep(15)
+    sys.exit(0)
+for name, group in (("side", d.side_group), ("main", None)):
+    t0 = time.monotonic()
+    try:
+        tdist.all_reduce(torch.ones(1), group=group)
+        print(name, "returned")
+    except Exception:
+        print(name, "failed after", round(time.monotonic() - t0, 1))
+"""
+
+
+def test_distributed_timeout_s_bounds_the_wait_for_a_hung_rank(tmp_path):
+    """distributed.timeout_s reaches both process groups: a collective that a hung rank never joins
+    fails after about that long, not after the former hard-coded 30 minutes."""
+    entry = tmp_path / "hang.py"
+    entry.write_text(HANG)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(entry), "3"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    waits = {line.split()[0]: float(line.split()[-1]) for line in done.stdout.splitlines() if " failed after " in line}
+    assert set(waits) == {"side", "main"}, done.stdout + done.stderr[-2000:]
+    assert all(2.5 <= w < 10 for w in waits.values()), waits

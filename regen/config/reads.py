@@ -67,7 +67,7 @@ ONLINE = [
     *_when("with tasks (a multi-task run)", lambda c: bool(c.tasks), "task_mix"),
     *QUALITY,
     *_when("under torchrun (distributed.mode torchrun or auto)", _torchrun, "distributed.strategy",
-           "distributed.backend"),
+           "distributed.backend", "distributed.timeout_s"),
     *_when("with distributed.mode=ray", lambda c: c.distributed.mode == "ray", "distributed.ray_address",
            "distributed.rollout_workers", "distributed.reward_workers", "distributed.rollout_resources",
            "distributed.reward_resources", "distributed.max_staleness", "distributed.max_restarts",

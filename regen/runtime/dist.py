@@ -207,8 +207,9 @@ def launched_by_torchrun() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-def start(mode: str, strategy: str, backend: str, device: torch.device) -> Dist:
-    """Join the torchrun process group (mode torchrun, or auto under torchrun) or stay single."""
+def start(mode: str, strategy: str, backend: str, device: torch.device, timeout_s: float = 1800.0) -> Dist:
+    """Join the torchrun process group (mode torchrun, or auto under torchrun) or stay single.
+    timeout_s: how long a collective waits for the other ranks (both groups)."""
     global _ACTIVE
     if mode == "auto":
         mode = "torchrun" if launched_by_torchrun() else "single"
@@ -228,9 +229,10 @@ def start(mode: str, strategy: str, backend: str, device: torch.device) -> Dist:
     if not tdist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        tdist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+        tdist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     comm = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    _ACTIVE = Dist(strategy, tdist.get_rank(), tdist.get_world_size(), tdist.new_group(backend="gloo"), comm)
+    side = tdist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    _ACTIVE = Dist(strategy, tdist.get_rank(), tdist.get_world_size(), side, comm)
     return _ACTIVE
 
 

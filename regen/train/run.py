@@ -88,7 +88,8 @@ class Run:
     def start(cls, cfg: RLConfig, resume: bool = False, force: bool = False) -> Run:
         # Check everything the user gave before touching the run directory.
         device = resolve_device(cfg.run.device)
-        d = rdist.start(cfg.distributed.mode, cfg.distributed.strategy, cfg.distributed.backend, device)
+        d = rdist.start(cfg.distributed.mode, cfg.distributed.strategy, cfg.distributed.backend, device,
+                        cfg.distributed.timeout_s)
         check_placement(cfg, d)
         reward, prompts, eval_items, tasks = run_inputs(cfg)
         quality = Quality(cfg.eval, cfg.modality, cfg.run.seed, device=str(device))  # a wrong path stops here
