@@ -73,7 +73,9 @@ def test_advantages_route_the_image_reward_to_both_models(enhancer_base, flow_ba
 def test_joint_run_exports_both_models_loadable_as_they_are(enhancer_base, flow_base, tmp_path, capsys):
     run = tmp_path / "j"
     assert main(joint_args(enhancer_base, flow_base, run, "data.eval=builtin:shapes-paraphrase:test",
-                           "eval.every=4", "eval.num_prompts=3", "checkpoint.every=2")) == 0
+                           "eval.every=4", "eval.num_prompts=3", "checkpoint.every=2", "log.progress=lines",
+                           "log.every=4")) == 0
+    assert "[enhancer:grpo+painter:nft] step 4/4" in capsys.readouterr().err  # each model's method, not the root's
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(run / "export" / "enhancer")  # plain transformers

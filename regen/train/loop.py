@@ -53,7 +53,8 @@ def train(cfg, resume: bool = False, force: bool = False) -> dict:
     if run.eval_items and run.start_step == 0:
         summary["eval_before"] = run.evaluate(0)
         run.log.log(0, summary["eval_before"])
-    with StepProgress(cfg.train.steps, run.start_step, cfg.log.progress, cfg.log.every, cfg.algorithm.name,
+    label = "+".join(f"{n}:{c.algorithm.name}" for n, c in cfg.members.items()) if cfg.models else cfg.algorithm.name
+    with StepProgress(cfg.train.steps, run.start_step, cfg.log.progress, cfg.log.every, label,
                       cfg.log.every_s) as bar, \
             GracefulStop(bar.print) as stop:
         run.alerts.echo = bar.print  # alerts go above the live bar, not through it
