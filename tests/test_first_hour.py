@@ -32,6 +32,7 @@ def ends_even(samples):
 '''
 
 
+@pytest.mark.extended  # three runs in subprocesses (10 s): second CI tier, keeps scripts/test.sh short
 def test_a_reward_module_beside_the_config_or_in_the_folder_imports(base_model, tmp_path):
     project = tmp_path / "project"
     (project / "configs").mkdir(parents=True)
@@ -57,6 +58,7 @@ def test_each_verb_says_which_rows_it_needs(base_model, tmp_path):
     assert '"completion"' in helped and '"chosen"' in helped and "Sample.meta" in helped
 
 
+@pytest.mark.extended  # runs with a tracker that times out (9 s): second CI tier, keeps scripts/test.sh short
 def test_wandb_mode_from_the_environment_and_a_failed_tracker_leaves_nothing(base_model, tmp_path, offline,
                                                                              monkeypatch):
     pytest.importorskip("wandb")
