@@ -2,7 +2,7 @@
 
 The task (regen/tasks/shapes_paraphrase.py): user prompts for the 16x16 shapes painter written in
 synonyms its prompt encoder does not know ("draw a crimson disc on the west side ->"), evaluated on
-held-out attribute combinations in held-out phrasings (48 prompts). Three arms, each a `python -m
+held-out attribute combinations in held-out phrasings (48 prompts). Four arms, each a `python -m
 regen train` run from the same two bases, alternated in one process (seed 0 of every arm, then seed
 1 with the order rotated by one, ...), so that machine drift hits all alike:
 
