@@ -68,6 +68,23 @@ def test_every_key_is_read_by_the_method_or_refused_by_name(method):
         assert any(key == r or key.startswith(r + ".") for r in read_keys), f"{method} accepts {key} silently"
 
 
+
+def test_ray_keys_follow_the_placement_a_trainer_group_or_actors():
+    """A Ray trainer group (trainer_workers > 1) trains like torchrun ranks: it reads the
+    process-group keys and refuses the rollout / reward actor keys, which only act with one trainer."""
+    group = [MODEL["lm"], "distributed.mode=ray", "distributed.trainer_workers=2"]
+    for key in ("distributed.strategy=fsdp", "distributed.timeout_s=60", "distributed.trainer_resources={num_cpus: 2}"):
+        load_config(RLConfig, None, [*group, key])
+    for key in ("distributed.rollout_workers=4", "distributed.max_staleness=1", "distributed.actor_threads=2"):
+        with pytest.raises(ConfigError, match=key.split("=")[0] + " is read only with distributed.mode=ray and "
+                           "trainer_workers=1"):
+            load_config(RLConfig, None, [*group, key])
+    one = [MODEL["lm"], "distributed.mode=ray"]
+    load_config(RLConfig, None, [*one, "distributed.rollout_workers=4"])
+    for key in ("distributed.strategy=fsdp", "distributed.trainer_resources={num_cpus: 2}"):
+        with pytest.raises(ConfigError, match=key.split("=")[0]):
+            load_config(RLConfig, None, [*one, key])
+
 # --------------------------------------------------------------------------- 2. declared keys act
 
 IN_SCOPE = ("algorithm.", "flow.", "critic.", "rollout.temperature", "rollout.top_p", "rollout.max_new_tokens",

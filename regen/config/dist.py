@@ -14,23 +14,37 @@ class DistributedConfig(Section):
     mode: Literal["auto", "single", "torchrun", "ray"] = Field(
         "auto", description="'single': one process. 'torchrun': data parallel over the processes torchrun started "
         "(sampling, scoring and the update split by groups). 'ray': the trainer here, rollout and reward workers as "
-        "Ray actors. 'auto': torchrun when started by torchrun, else single."
+        "Ray actors; or, with trainer_workers > 1, a group of trainer actors that train like torchrun ranks. "
+        "'auto': torchrun when started by torchrun, else single."
     )
     strategy: Literal["ddp", "fsdp"] = Field(
-        "ddp", description="torchrun: 'ddp' replicates the model and all-reduces gradients; 'fsdp' shards "
-        "parameters, gradients and optimizer state (FSDP2 fully_shard) for models too big to replicate."
+        "ddp", description="torchrun and a Ray trainer group: 'ddp' replicates the model and all-reduces "
+        "gradients; 'fsdp' shards parameters, gradients and optimizer state (FSDP2 fully_shard) for models too "
+        "big to replicate."
     )
     backend: Literal["auto", "nccl", "gloo"] = Field(
-        "auto", description="torchrun: process-group backend; 'auto' = nccl on CUDA, gloo on CPU."
+        "auto", description="torchrun and a Ray trainer group: process-group backend; 'auto' = nccl on CUDA, gloo on CPU."
     )
     timeout_s: float = Field(
-        1800.0, ge=1.0, description="torchrun: seconds a collective waits for every rank before the run fails "
-        "(a rank that died or hangs). Long enough for rank 0's held-out evaluations and checkpoint writes, which "
+        1800.0, ge=1.0, description="torchrun and a Ray trainer group: seconds a collective waits for every "
+        "rank before the run fails (a rank that died or hangs). Long enough for rank 0's held-out evaluations and "
+        "checkpoint writes, which "
         "the other ranks wait out; shorter makes a lost node fail the job sooner."
     )
     ray_address: str | None = Field(
         None, description="ray: address of a running Ray cluster ('auto' = the one this node joined with "
         "`ray start`); null starts a private Ray on this machine."
+    )
+    trainer_workers: int = Field(
+        1, ge=1, description="ray: trainer actors. 1: the trainer is the process you started, with rollout and "
+        "reward actors. N > 1: N actors form one process group (distributed.strategy ddp or fsdp) placed by a Ray "
+        "placement group, each sampling, scoring and training its share like a torchrun rank (no rollout or reward "
+        "actors); the process you started only places them, follows the run and restarts the group from the last "
+        "checkpoint when an actor dies (up to max_restarts times)."
+    )
+    trainer_resources: dict[str, float] = Field(
+        default_factory=lambda: {"num_cpus": 1.0}, description="ray: resources of one trainer actor when "
+        "trainer_workers > 1 (num_cpus, num_gpus, custom node labels); one GPU per actor on GPU clusters."
     )
     rollout_workers: int = Field(2, ge=1, description="ray: rollout actors; each samples a share of the groups.")
     reward_workers: int = Field(1, ge=1, description="ray: reward actors; each scores a share of the samples.")
@@ -47,6 +61,7 @@ class DistributedConfig(Section):
         "off-policy); a batch staler than the bound is thrown away and sampled again. Flow models: 0 only."
     )
     max_restarts: int = Field(
-        3, ge=0, description="ray: replacements of dead actors allowed per step before the run stops."
+        3, ge=0, description="ray: replacements of dead rollout / reward actors allowed per step before the run "
+        "stops; with trainer_workers > 1, restarts of the trainer group (after an actor died) per run."
     )
     actor_threads: int = Field(1, ge=1, description="ray: torch threads of each actor on CPU.")

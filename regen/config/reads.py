@@ -38,6 +38,16 @@ def _torchrun(cfg) -> bool:
     return cfg.distributed.mode in ("auto", "torchrun")
 
 
+def _trainer_group(cfg) -> bool:
+    """distributed.mode=ray with trainer_workers > 1: trainer actors that train like torchrun ranks."""
+    return cfg.distributed.mode == "ray" and cfg.distributed.trainer_workers > 1
+
+
+def _ray_actors(cfg) -> bool:
+    """distributed.mode=ray with one trainer (the process started) and rollout / reward actors."""
+    return cfg.distributed.mode == "ray" and cfg.distributed.trainer_workers == 1
+
+
 # Held-out quality metrics and gates (regen/quality): every method that evaluates reads them.
 QUALITY = [
     *_always("eval.metrics", "eval.gates"),
@@ -66,12 +76,15 @@ ONLINE = [
            lambda c: not c.tasks, "data.train", "data.eval", "reward"),
     *_when("with tasks (a multi-task run)", lambda c: bool(c.tasks), "task_mix"),
     *QUALITY,
-    *_when("under torchrun (distributed.mode torchrun or auto)", _torchrun, "distributed.strategy",
+    *_when("under torchrun (distributed.mode torchrun or auto) or in a Ray trainer group (distributed.mode=ray with "
+           "trainer_workers > 1)", lambda c: _torchrun(c) or _trainer_group(c), "distributed.strategy",
            "distributed.backend", "distributed.timeout_s"),
     *_when("with distributed.mode=ray", lambda c: c.distributed.mode == "ray", "distributed.ray_address",
-           "distributed.rollout_workers", "distributed.reward_workers", "distributed.rollout_resources",
-           "distributed.reward_resources", "distributed.max_staleness", "distributed.max_restarts",
-           "distributed.actor_threads"),
+           "distributed.trainer_workers", "distributed.max_restarts"),
+    *_when("with distributed.mode=ray and trainer_workers > 1", _trainer_group, "distributed.trainer_resources"),
+    *_when("with distributed.mode=ray and trainer_workers=1 (a trainer group samples and scores on its trainers)",
+           _ray_actors, "distributed.rollout_workers", "distributed.reward_workers", "distributed.rollout_resources",
+           "distributed.reward_resources", "distributed.max_staleness", "distributed.actor_threads"),
 ]
 
 # What every method of a modality reads.

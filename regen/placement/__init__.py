@@ -5,6 +5,8 @@
   ray.py          RayRollouts / RayReward: rollout and reward actors, weight sync with versions,
                   one-step-ahead sampling (max_staleness), dead actors replaced
   ray_workers.py  the actor classes
+  ray_trainers.py distributed.trainer_workers > 1: a group of trainer actors (one process group,
+                  DDP / FSDP2) placed and restarted by a thin driver
   vllm.py         rollout.engine=vllm: a vLLM engine samples in the trainer's process
   checks.py       the combinations refused before anything is written
 Data parallelism itself (DDP / FSDP2 around the trained model, collectives) is regen/runtime/dist.py.
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 def place(cfg, d, modality, reward, data, prompts, start_step: int):
     """(reward, rollout source) of the run: in this process, split over torchrun ranks, or on Ray actors."""
-    if cfg.distributed.mode == "ray":
+    if cfg.distributed.mode == "ray" and not d.on:  # a trainer group (d.on) samples on its ranks, like torchrun
         from regen.placement.ray import RayReward, RayRollouts
 
         return RayReward(cfg), RayRollouts(modality, data, prompts, cfg, start_step)

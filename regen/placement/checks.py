@@ -10,9 +10,10 @@ from regen.runtime import dist as rdist
 
 
 def check_split(cfg: RLConfig, d: rdist.Dist) -> None:
-    """Under torchrun the groups of a step and the rows of a minibatch must split evenly."""
+    """Under torchrun (or in a Ray trainer group) the groups of a step and the rows of a minibatch
+    must split evenly over the ranks."""
     G, mb, W = cfg.prompts_per_step, cfg.train.global_minibatch_size, d.world
-    where = f"under torchrun with {W} processes"
+    where = f"over {W} trainer processes" if cfg.distributed.mode == "ray" else f"under torchrun with {W} processes"
     if G % W:
         raise UserError(f"rollout.global_batch_size / group_size = {G} prompts per step cannot be split evenly "
                         f"{where}: make it a multiple of {W}")

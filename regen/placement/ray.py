@@ -45,8 +45,7 @@ def start_ray(cfg) -> None:
                             f"({_first_error_line(e)}); start one with `ray start --head`, or set ray_address: null "
                             "for a private Ray on this machine") from None
     else:
-        cpus = d.rollout_workers * d.rollout_resources.get("num_cpus", 1) + \
-            d.reward_workers * d.reward_resources.get("num_cpus", 1)
+        cpus = sum(count * res.get("num_cpus", 1) for count, res in actors(d))
         from regen.rewards.base import USER_PATHS
 
         # the actors import the user's reward modules from where the trainer does
@@ -55,14 +54,23 @@ def start_ray(cfg) -> None:
                  log_to_driver=False, configure_logging=False,
                  runtime_env={"env_vars": {"PYTHONPATH": path}} if path else None)
     have, need = ray.cluster_resources(), {}
-    for count, res in ((d.rollout_workers, d.rollout_resources), (d.reward_workers, d.reward_resources)):
+    for count, res in actors(d):
         for k, v in res.items():
             key = {"num_cpus": "CPU", "num_gpus": "GPU"}.get(k, k)
             need[key] = need.get(key, 0) + count * v
     short = [f"{k}: need {v:g}, the cluster has {have.get(k, 0):g}" for k, v in need.items() if v > have.get(k, 0)]
     if short:
-        raise UserError("distributed: the Ray cluster cannot place the rollout and reward workers (" + "; ".join(short)
-                        + "); lower distributed.rollout_workers / reward_workers or their resources")
+        what = "trainer_workers or trainer_resources" if d.trainer_workers > 1 else \
+            "rollout_workers / reward_workers or their resources"
+        raise UserError("distributed: the Ray cluster cannot place the run's actors (" + "; ".join(short)
+                        + f"); lower distributed.{what}")
+
+
+def actors(d) -> list[tuple[int, dict[str, float]]]:
+    """(count, resources of one) of each kind of actor the run starts."""
+    if d.trainer_workers > 1:  # a trainer group samples and scores on its own ranks
+        return [(d.trainer_workers, d.trainer_resources)]
+    return [(d.rollout_workers, d.rollout_resources), (d.reward_workers, d.reward_resources)]
 
 
 class ActorGroup:

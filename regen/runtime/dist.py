@@ -207,12 +207,23 @@ def launched_by_torchrun() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
+GROUP_ENV = "REGEN_TRAINER_GROUP"  # set by regen/placement/ray_trainers.py in each trainer actor
+
+
+def in_trainer_group() -> bool:
+    """This process is a trainer actor of a Ray trainer group: RANK, WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT were set by the group's driver, as torchrun sets them for its ranks."""
+    return os.environ.get(GROUP_ENV) == "1"
+
+
 def start(mode: str, strategy: str, backend: str, device: torch.device, timeout_s: float = 1800.0) -> Dist:
     """Join the torchrun process group (mode torchrun, or auto under torchrun) or stay single.
     timeout_s: how long a collective waits for the other ranks (both groups)."""
     global _ACTIVE
     if mode == "auto":
         mode = "torchrun" if launched_by_torchrun() else "single"
+    if mode == "ray" and in_trainer_group():
+        mode = "torchrun"  # a trainer actor joins its group exactly as a torchrun rank does
     if mode != "torchrun":
         if launched_by_torchrun():  # N copies of a one-process run would write the same run directory
             raise UserError(f"started by torchrun with {os.environ['WORLD_SIZE']} processes but distributed.mode="

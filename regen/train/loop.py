@@ -28,6 +28,7 @@ import torch
 
 from regen.errors import UserError
 from regen.placement.checks import which_loop
+from regen.runtime import dist as rdist
 from regen.runtime.metrics import nanmean
 from regen.runtime.progress import StepProgress
 from regen.runtime.signals import GracefulStop
@@ -40,6 +41,10 @@ def train(cfg, resume: bool = False, force: bool = False) -> dict:
         from regen.offline.dpo import train_dpo
 
         return train_dpo(cfg, resume, force)
+    if cfg.distributed.mode == "ray" and cfg.distributed.trainer_workers > 1 and not rdist.in_trainer_group():
+        from regen.placement.ray_trainers import train_group
+
+        return train_group(cfg, resume, force)  # N trainer actors run this function as one process group
     run = Run.start(cfg, resume, force)  # inputs checked, run dir ready, models built, state restored
     m, gen = run.m, run.gen
     summary: dict = {"eval_before": {}, "eval_after": {}, "checkpoint": None, "stopped_early": False}

@@ -95,7 +95,7 @@ class Run:
         quality = Quality(cfg.eval, cfg.modality, cfg.run.seed, device=str(device))  # a wrong path stops here
         if eval_items:
             quality.check_items(eval_items)
-        if cfg.distributed.mode == "ray":  # the cluster and its resources, before the run directory is touched
+        if cfg.distributed.mode == "ray" and not d.on:  # the cluster and its resources, before the run directory is touched
             from regen.placement.ray import start_ray
 
             start_ray(cfg)

@@ -1,0 +1,146 @@
+"""distributed.mode=ray with trainer_workers=2 on a private local Ray (gloo): the trainer group
+trains the weights one process trains with the same global batch (DDP and FSDP2), and a group
+whose actor is SIGKILLed mid-run restarts from its last checkpoint and still ends where the
+uninterrupted single process ends."""
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from regen.cli import main
+from tests.conftest import BRIGHT, read_jsonl
+from tests.test_torchrun import SETUP, assert_same_weights
+
+pytestmark = pytest.mark.extended  # multi-process: the CI's second tier (pyproject.toml markers)
+
+ray = pytest.importorskip("ray")
+psutil = pytest.importorskip("psutil")
+
+GROUP = ["distributed.mode=ray", "distributed.trainer_workers=2", "distributed.ray_address=null"]
+STEPS = "train.steps=4"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def private_ray():
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def one_process(base_model, tmp_path_factory):
+    run = tmp_path_factory.mktemp("single") / "run"
+    assert main(["train", f"model.path={base_model}", f"run.dir={run}", *SETUP, STEPS, "distributed.mode=single"]) == 0
+    return run
+
+
+def group(run, base, *extra) -> int:
+    return main(["train", f"model.path={base}", f"run.dir={run}", *SETUP, STEPS, *GROUP, *extra])
+
+
+def same_run(run, ref, base):
+    rows, want = read_jsonl(run / "metrics.jsonl"), read_jsonl(ref / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # rank 0 alone wrote metrics; no step twice
+    assert [r["reward/mean"] for r in rows] == [r["reward/mean"] for r in want]
+    for key in ("loss", "kl", "grad_norm"):
+        assert [r[key] for r in rows] == pytest.approx([r[key] for r in want], rel=1e-4, abs=1e-6), key
+    assert_same_weights(run / "export", ref / "export", base)
+
+
+def test_two_trainer_actors_with_fsdp2_train_the_same_weights_as_one_process(base_model, one_process, tmp_path):
+    run = tmp_path / "run"
+    assert group(run, base_model, "distributed.strategy=fsdp") == 0
+    same_run(run, one_process, base_model)
+
+
+def trainer_pids() -> list[int]:
+    return [p.pid for p in psutil.process_iter(["cmdline"])
+            if any("TrainerWorker" in part for part in (p.info["cmdline"] or []))]
+
+
+def test_a_killed_trainer_actor_restarts_the_group_from_its_checkpoint(base_model, one_process, tmp_path, capsys):
+    run, killed = tmp_path / "run", []
+
+    def kill_after_step_2():  # SIGKILL one rank's process once step 2 (and its checkpoint) is on disk
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            if (run / "checkpoints" / "step_00000002" / "manifest.json").exists() and \
+                    (run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= 2:
+                pids = trainer_pids()
+                if pids:
+                    os.kill(pids[-1], signal.SIGKILL)
+                    killed.append(time.time())
+                    return
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=kill_after_step_2, daemon=True)
+    watcher.start()
+    assert group(run, base_model, "checkpoint.every=2", "distributed.strategy=ddp") == 0
+    watcher.join(1)
+    assert killed, "the trainer actor was not killed: the test did not exercise the restart"
+    assert "restarting it from the last checkpoint (restart 1 of 3)" in capsys.readouterr().err
+    # the new group resumed from step 2 (a group that started over would have rewritten that checkpoint)
+    assert (run / "checkpoints" / "step_00000002" / "manifest.json").stat().st_mtime < killed[0]
+    same_run(run, one_process, base_model)  # resumed exactly: the same rewards, losses and weights
+
+
+def test_a_stop_request_to_the_driver_stops_every_trainer_at_one_step_and_the_rerun_resumes(
+        base_model, one_process, tmp_path, capsys):
+    run = tmp_path / "run"
+
+    def sigterm_after_step_1():  # as a scheduler's SIGTERM reaches the process the user started
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            if (run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().strip():
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=sigterm_after_step_1, daemon=True)
+    watcher.start()
+    assert group(run, base_model, "checkpoint.every=0") == 0
+    watcher.join(1)
+    steps = [r["step"] for r in read_jsonl(run / "metrics.jsonl")]
+    assert steps and steps[-1] < 4 and "stopped at step" not in capsys.readouterr().err
+    assert [p.name for p in (run / "checkpoints").iterdir()] == [f"step_{steps[-1]:08d}"]  # written at the stop
+    assert group(run, base_model) == 0
+    same_run(run, one_process, base_model)
+
+
+def test_a_flow_model_trains_the_same_weights_in_a_trainer_group(flow_base, tmp_path):
+    # the trainer group is modality-blind: DiffusionNFT with its EMA old policy and a weight EMA, DDP
+    args = [f"model.path={flow_base}", "algorithm.name=nft", "data.train=builtin:shapes:train", "data.eval=null",
+            "rollout.global_batch_size=16", "rollout.group_size=4", "train.global_minibatch_size=8",
+            "train.ppo_epochs=2", "flow.steps=4", "log.progress=none", "log.tensorboard=false", "optim.lr=1e-3",
+            "run.threads=1", "train.steps=3", BRIGHT, "flow.weight_ema=0.5", "flow.ema_rate=0.2"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert main(["train", *args, f"run.dir={one}", "distributed.mode=single"]) == 0
+    assert main(["train", *args, f"run.dir={two}", *GROUP]) == 0
+    rows, ref = read_jsonl(two / "metrics.jsonl"), read_jsonl(one / "metrics.jsonl")
+    for key in ("reward/mean", "loss", "grad_norm"):
+        assert [r[key] for r in rows] == pytest.approx([r[key] for r in ref], rel=1e-4, abs=1e-6), key
+    unet = "unet/diffusion_pytorch_model.safetensors"
+    w2, w1, w0 = (load_file(str(p / unet)) for p in (two / "export", one / "export", Path(flow_base)))
+    diff = sum(((w2[k] - w1[k]) ** 2).sum() for k in w1) ** 0.5
+    moved = sum(((w1[k] - w0[k]) ** 2).sum() for k in w1) ** 0.5
+    assert moved > 1e-3 and diff < 1e-3 * moved, (float(diff), float(moved))
+
+
+def test_a_group_the_cluster_cannot_place_is_one_error_before_anything_is_written(base_model, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert group(run, base_model, "distributed.trainer_resources={num_gpus: 1}") == 2
+    err = capsys.readouterr().err
+    assert "cannot place the run's actors (GPU: need 2, the cluster has 0)" in err and "trainer_workers" in err
+    assert not run.exists()
+
+
+def test_what_torchrun_refuses_a_trainer_group_refuses_before_starting_actors(base_model, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert group(run, base_model, "rollout.global_batch_size=12", "rollout.group_size=4",
+                 "train.global_minibatch_size=12") == 2  # 3 prompts a step for 2 ranks
+    assert "3 prompts per step cannot be split evenly over 2 trainer processes" in capsys.readouterr().err
+    assert not run.exists()
