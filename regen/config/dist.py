@@ -65,3 +65,12 @@ class DistributedConfig(Section):
         "stops; with trainer_workers > 1, restarts of the trainer group (after an actor died) per run."
     )
     actor_threads: int = Field(1, ge=1, description="ray: torch threads of each actor on CPU.")
+    sync_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="ray: dtype of the weights sent to the rollout actors after each update. float32: "
+        "exactly the trainer's (a Ray run samples what one process samples). bfloat16: half the bytes; the actors "
+        "sample with the weights rounded to bf16 (the loss still uses the trainer's own log-probs)."
+    )
+    sync_bucket_mb: float = Field(
+        512.0, gt=0, description="ray: most MB of weights in one object-store object; an actor loads one bucket at "
+        "a time, so it holds at most this much beside its model while it takes new weights."
+    )

@@ -5,7 +5,8 @@ actors placed by `distributed.*_resources` (whole nodes, GPUs, or custom node la
   its rows of the step's plan (the uniforms or noise drawn here from the run's generator), so
   the batch is the one a single process would sample with the same weights (any modality).
 - Sync: after each update the trainer's weights (for LoRA: the adapter's tensors only) go to
-  the object store once and every actor loads them, tagged with the version (= step). Ray runs
+  the object store once, in buckets (distributed.sync_bucket_mb, cast to distributed.sync_dtype),
+  and every actor loads them bucket by bucket, tagged with the version (= step). Ray runs
   an actor's calls in order, so a sample call made after a sync sees the new weights.
 - Staleness: with `max_staleness` k >= 1 the next batch is requested before the update (it
   overlaps the update); a batch whose oldest weights lag more than k versions is thrown away
@@ -26,6 +27,7 @@ from regen.data import EpochSampler, PromptItem
 from regen.errors import RunStopped, UserError
 from regen.placement.local import group_rows
 from regen.placement.ray_workers import RewardWorker, RolloutWorker
+from regen.placement.sync import nbytes, pack
 
 
 def start_ray(cfg) -> None:
@@ -124,18 +126,20 @@ class ActorGroup:
                         self.on_new(self.actors[i])  # queued after the call: Ray runs an actor's calls in order
         return out
 
-    def push(self, state: dict[str, torch.Tensor], version: int):
-        """Put weights in the object store once and have every actor load them with `version`;
-        not awaited: Ray runs an actor's calls in order, so its next sample sees them. Returns
-        the object reference (for replacements) and the sync metrics."""
+    def push(self, state: dict[str, torch.Tensor], version: int, dtype: torch.dtype, bucket_mb: float):
+        """Put weights in the object store once (in buckets, see regen/placement/sync.py) and have
+        every actor load them with `version`; not awaited: Ray runs an actor's calls in order, so
+        its next sample sees them. Returns the buckets' object references (for replacements) and
+        the sync metrics."""
         import ray
 
         t0 = time.perf_counter()
-        ref = ray.put(state)
+        buckets = pack(state, dtype, int(bucket_mb * 1e6))
+        refs = [ray.put(b) for b in buckets]
         for i in range(len(self.actors)):
-            self.call(i, "load_weights", ref, version)
-        return ref, {"sync/s": time.perf_counter() - t0,
-                     "sync/mb": sum(v.numel() * v.element_size() for v in state.values()) / 1e6}
+            self.call(i, "load_weights", refs, version)
+        return refs, {"sync/s": time.perf_counter() - t0, "sync/mb": nbytes(buckets) / 1e6,
+                      "sync/buckets": float(len(buckets))}
 
     def close(self) -> None:
         import ray
@@ -185,7 +189,9 @@ class RayRollouts:
         return items, batch
 
     def sync(self, step: int) -> dict[str, float]:
-        self._weights, metrics = self.workers.push(self.m.sync_state(), step)
+        d = self.cfg.distributed
+        self._weights, metrics = self.workers.push(self.m.sync_state(), step, getattr(torch, d.sync_dtype),
+                                                   d.sync_bucket_mb)
         self.version = step
         self._by_version = {v: w for v, w in self._by_version.items() if v >= step - self.bound} | {step: self._weights}
         return metrics

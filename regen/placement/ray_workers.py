@@ -31,11 +31,17 @@ class RolloutWorker:
         self.m = modality_class(cfg)(cfg, device, Dist(), sampler_only=True)
         self.precision = Precision(cfg.train.precision, device)
 
-    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> int:
-        """Take the trainer's weights: all of them, or (LoRA) the adapter's tensors only."""
-        _, unexpected = self.m.trained.load_state_dict(state, strict=False)
-        if unexpected:
-            raise ValueError(f"rollout worker: weights it does not have: {unexpected[:3]}")
+    def load_weights(self, buckets: list, version: int) -> int:
+        """Take the trainer's weights (all of them, or for LoRA the adapter's tensors only), one
+        bucket at a time: object references, fetched here (regen/placement/sync.py), or dicts."""
+        import ray
+
+        for part in buckets:
+            state = part if isinstance(part, dict) else ray.get(part)
+            _, unexpected = self.m.trained.load_state_dict(state, strict=False)  # copy_ casts bf16 to the model's dtype
+            if unexpected:
+                raise ValueError(f"rollout worker: weights it does not have: {unexpected[:3]}")
+            del state
         self.version = version
         return version
 
