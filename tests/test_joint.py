@@ -184,7 +184,8 @@ def test_a_killed_joint_run_resumes_bitwise_equal(enhancer_base, flow_base, tmp_
     (["models.enhancer.data={train: x}"], "models.enhancer.data: not a key of a model"),
     (["algorithm.name=nft"], "algorithm.name is not read in a joint run (models:): give it inside each models.NAME"),
     (["model.path=x"], "model.path is not read in a joint run"),
-    (["distributed.mode=torchrun"], "a joint run trains in one process"),
+    (["distributed.mode=ray"], "rollout and reward actors for joint runs are not supported yet"),
+    (["distributed.mode=torchrun", "distributed.strategy=fsdp"], "a joint run is data parallel with DDP only"),
 ])
 def test_a_miswired_joint_config_is_one_error_naming_the_field(enhancer_base, flow_base, tmp_path, capsys, extra,
                                                                message):

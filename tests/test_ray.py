@@ -93,7 +93,7 @@ def test_a_ray_start_that_cannot_place_its_workers_leaves_no_run_behind(base_mod
     run = tmp_path / "run"
     args = ["train", f"model.path={base_model}", f"run.dir={run}", *LEARN, *RAY]
     assert main([*args, "distributed.rollout_resources={num_gpus: 4}"]) == 2
-    assert "cannot place the run.s actors" in capsys.readouterr().err
+    assert "cannot place the run's actors" in capsys.readouterr().err
     assert not run.exists() or not any(run.iterdir())  # so the corrected command just runs
 
 

@@ -92,15 +92,15 @@ def test_a_stop_request_to_the_driver_stops_every_trainer_at_one_step_and_the_re
         base_model, one_process, tmp_path, capsys):
     run = tmp_path / "run"
 
-    def sigterm_after_step_1():  # as a scheduler's SIGTERM reaches the process the user started
+    def sigterm_once_started():  # as a scheduler's SIGTERM reaches the process the user started
         deadline = time.time() + 300
         while time.time() < deadline:
-            if (run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().strip():
+            if (run / "config.yaml").exists():  # rank 0 is up (a step takes well under a second: be early)
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
-            time.sleep(0.05)
+            time.sleep(0.02)
 
-    watcher = threading.Thread(target=sigterm_after_step_1, daemon=True)
+    watcher = threading.Thread(target=sigterm_once_started, daemon=True)
     watcher.start()
     assert group(run, base_model, "checkpoint.every=0") == 0
     watcher.join(1)

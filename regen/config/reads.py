@@ -62,6 +62,16 @@ MEDIA_QUALITY = [  # what the image / video metrics compare with
     *_when("with eval.metrics clip_score", lambda c: "clip_score" in c.eval.metrics, "eval.clip_model"),
 ]
 
+# Where a run's process group comes from: torchrun, or a Ray trainer group (regen/placement/ray_trainers.py).
+PROCESS_GROUP = [
+    *_when("under torchrun (distributed.mode torchrun or auto) or in a Ray trainer group (distributed.mode=ray with "
+           "trainer_workers > 1)", lambda c: _torchrun(c) or _trainer_group(c), "distributed.strategy",
+           "distributed.backend", "distributed.timeout_s"),
+    *_when("with distributed.mode=ray", lambda c: c.distributed.mode == "ray", "distributed.ray_address",
+           "distributed.trainer_workers", "distributed.max_restarts"),
+    *_when("with distributed.mode=ray and trainer_workers > 1", _trainer_group, "distributed.trainer_resources"),
+]
+
 # What every online RL method reads, whatever it trains.
 ONLINE = [
     *_always("run", "model", "data.columns", "data.on_bad_line", "tasks",
@@ -76,12 +86,7 @@ ONLINE = [
            lambda c: not c.tasks, "data.train", "data.eval", "reward"),
     *_when("with tasks (a multi-task run)", lambda c: bool(c.tasks), "task_mix"),
     *QUALITY,
-    *_when("under torchrun (distributed.mode torchrun or auto) or in a Ray trainer group (distributed.mode=ray with "
-           "trainer_workers > 1)", lambda c: _torchrun(c) or _trainer_group(c), "distributed.strategy",
-           "distributed.backend", "distributed.timeout_s"),
-    *_when("with distributed.mode=ray", lambda c: c.distributed.mode == "ray", "distributed.ray_address",
-           "distributed.trainer_workers", "distributed.max_restarts"),
-    *_when("with distributed.mode=ray and trainer_workers > 1", _trainer_group, "distributed.trainer_resources"),
+    *PROCESS_GROUP,
     *_when("with distributed.mode=ray and trainer_workers=1 (a trainer group samples and scores on its trainers)",
            _ray_actors, "distributed.rollout_workers", "distributed.reward_workers", "distributed.rollout_resources",
            "distributed.reward_resources", "distributed.max_staleness", "distributed.actor_threads",
@@ -184,6 +189,7 @@ JOINT = [
              "eval.num_prompts", "eval.samples_per_prompt", "eval.temperature", "eval.greedy", "eval.batch_size",
              "eval.gates", "checkpoint", "health", "log", "distributed.mode"),
     *_when("with the built-in arithmetic task (builtin:arithmetic data)", _arithmetic, "task.digits", "task.test_size"),
+    *PROCESS_GROUP,
 ]
 
 

@@ -16,6 +16,10 @@ rows r * n_i ... r * n_i + n_i - 1). Advantages (the routing of one reward to tw
 Each model has its own parameter group in the run's optimizer (own lr, betas, eps, weight
 decay; the run's schedule and warm-up scale every group alike), and is updated by its own
 method with its own train settings, only at the steps it trains (frozen / train_at).
+
+Data parallel (torchrun, a Ray trainer group; DDP): each rank takes whole user-prompt groups
+(JointPlan.select keeps every model's randomness for its rows), and each model's update takes
+its share of every minibatch like a single-model run, so N ranks train what one process trains.
 """
 
 from __future__ import annotations
@@ -86,8 +90,6 @@ class JointModality(Modality):
     def __init__(self, cfg, device: torch.device, dist, state: dict | None = None, alerts=None):
         from regen.modalities import modality_class
 
-        if dist.on:
-            raise ValueError("joint runs train in one process (torchrun: not supported yet)")
         self.cfg, self.device, self.dist = cfg, device, dist
         self.configs = cfg.members  # name -> its RLConfig, in dataflow order
         self.names = list(self.configs)

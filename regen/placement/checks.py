@@ -32,9 +32,15 @@ def which_loop(cfg: RLConfig) -> str:
                 which_loop(member)
             except UserError as e:
                 raise UserError(f"models.{name}: {e}") from None
-        if cfg.distributed.mode in ("torchrun", "ray") or rdist.launched_by_torchrun():
-            raise UserError(f"distributed.mode={cfg.distributed.mode} with models: a joint run trains in one process "
-                            "(torchrun and Ray: not supported yet)")
+        d = cfg.distributed
+        if d.mode == "ray" and d.trainer_workers == 1:
+            raise UserError("distributed.mode=ray with models: a joint run trains in one process, under torchrun or "
+                            "in a Ray trainer group (distributed.trainer_workers > 1); rollout and reward actors for "
+                            "joint runs are not supported yet")
+        spread = d.mode in ("torchrun", "ray") or (d.mode == "auto" and rdist.launched_by_torchrun())
+        if spread and d.strategy == "fsdp":
+            raise UserError("distributed.strategy=fsdp with models: a joint run is data parallel with DDP only "
+                            "(each model replicated); use distributed.strategy=ddp")
         return "online"
     flow_algo, flow_model = cfg.modality == "flow", is_flow_model(cfg.model)
     model = cfg.model.path or cfg.model.init
@@ -62,6 +68,11 @@ def check_placement(cfg: RLConfig, d: rdist.Dist) -> None:
     if not d.on:
         return
     check_split(cfg, d)
+    for name, member in cfg.members.items() if cfg.models else ():  # each model's minibatches split too
+        try:
+            check_split(member, d)
+        except UserError as e:
+            raise UserError(f"models.{name}: {e}") from None
     if d.sharded and cfg.model.lora is not None:
         raise UserError("distributed.strategy=fsdp with model.lora: a LoRA adapter is small enough to replicate; "
                         "use distributed.strategy=ddp")

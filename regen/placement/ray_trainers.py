@@ -138,7 +138,7 @@ def train_group(cfg, resume: bool = False, force: bool = False) -> dict:
     from regen.placement.checks import check_placement
     from regen.placement.ray import start_ray
     from regen.runtime.dist import Dist
-    from regen.runtime.progress import StepProgress
+    from regen.runtime.progress import StepProgress, run_label
     from regen.runtime.signals import GracefulStop
 
     d = cfg.distributed
@@ -148,7 +148,7 @@ def train_group(cfg, resume: bool = False, force: bool = False) -> dict:
     tree["run"]["dir"] = str(Path(cfg.run.dir).expanduser().absolute())
     restarts = 0
     with StepProgress(cfg.train.steps, 0, cfg.log.progress, cfg.log.every,
-                      f"{cfg.algorithm.name} x{d.trainer_workers} trainers", cfg.log.every_s) as bar, \
+                      f"{run_label(cfg)} x{d.trainer_workers} trainers", cfg.log.every_s) as bar, \
             GracefulStop(bar.print) as stop:
         while True:
             group = TrainerGroup(cfg, restarts)

@@ -322,7 +322,8 @@ def _length_buckets(lengths: torch.Tensor) -> list[torch.Tensor]:
 
 def _cache_arg(model) -> str:
     """transformers 5.x names the KV cache argument `cache`; 4.x named it `past_key_values`."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wraps the model
+    base = getattr(model, "module", model)  # DDP wraps the model (its forward takes **kwargs)
+    base = base.get_base_model() if hasattr(base, "get_base_model") else base  # peft wraps it too
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 

@@ -130,8 +130,13 @@ class Dist:
 
             dev = next(model.parameters()).device
             # buffers are constants here; broadcasting them would put a collective in every forward
+            # (torch >= 2.13 names the switch forward_sync_buffers and warns about the old one)
+            import inspect
+
+            sync = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(
+                DistributedDataParallel.__init__).parameters else "broadcast_buffers"
             return DistributedDataParallel(model, device_ids=[torch.cuda.current_device()] if dev.type == "cuda"
-                                           else None, broadcast_buffers=False)
+                                           else None, **{sync: False})
         from torch.distributed.fsdp import fully_shard
 
         for block in _blocks(model):

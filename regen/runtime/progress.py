@@ -10,6 +10,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 
+def run_label(cfg) -> str:
+    """What the progress line calls a run: its method, or each joint model's ([enhancer:grpo+painter:nft])."""
+    if getattr(cfg, "models", None):
+        return "+".join(f"{n}:{c.algorithm.name}" for n, c in cfg.members.items())
+    return cfg.algorithm.name
+
+
 class StepProgress:
     def __init__(self, total: int, start: int, mode: str, every: int, label: str, every_s: float = 30.0):
         """lines mode: a line every `every` steps, and whenever `every_s` seconds passed since the last."""

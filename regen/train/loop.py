@@ -30,7 +30,7 @@ from regen.errors import UserError
 from regen.placement.checks import which_loop
 from regen.runtime import dist as rdist
 from regen.runtime.metrics import nanmean
-from regen.runtime.progress import StepProgress
+from regen.runtime.progress import StepProgress, run_label
 from regen.runtime.signals import GracefulStop
 from regen.train.dynamic_sampling import refill_groups
 from regen.train.run import Run
@@ -58,8 +58,7 @@ def train(cfg, resume: bool = False, force: bool = False) -> dict:
     if run.eval_items and run.start_step == 0:
         summary["eval_before"] = run.evaluate(0)
         run.log.log(0, summary["eval_before"])
-    label = "+".join(f"{n}:{c.algorithm.name}" for n, c in cfg.members.items()) if cfg.models else cfg.algorithm.name
-    with StepProgress(cfg.train.steps, run.start_step, cfg.log.progress, cfg.log.every, label,
+    with StepProgress(cfg.train.steps, run.start_step, cfg.log.progress, cfg.log.every, run_label(cfg),
                       cfg.log.every_s) as bar, \
             GracefulStop(bar.print) as stop:
         run.alerts.echo = bar.print  # alerts go above the live bar, not through it

@@ -1,0 +1,73 @@
+"""A joint run (enhancer LM feeding a painter flow model) data parallel over 2 processes: under
+torchrun and as a Ray trainer group, both models train the weights one process trains with the
+same global batch (DDP, gloo)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from regen.cli import main
+from tests.conftest import read_jsonl
+from tests.test_joint import joint_args
+
+pytestmark = pytest.mark.extended  # multi-process: the CI's second tier (pyproject.toml markers)
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = "train.steps=3"  # 2 user prompts a step: one per rank, each with its 2 rewrites x 2 images
+
+
+@pytest.fixture(scope="module")
+def one_process(enhancer_base, flow_base, tmp_path_factory):
+    run = tmp_path_factory.mktemp("joint_single") / "run"
+    assert main([*joint_args(enhancer_base, flow_base, run, STEPS), "distributed.mode=single"]) == 0
+    return run
+
+
+def same_training(run, ref, enhancer_base, flow_base):
+    rows, want = read_jsonl(run / "metrics.jsonl"), read_jsonl(ref / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    # the same rewrites and images (rank r sampled its prompt's rows with the batch's randomness)
+    assert [r["reward/mean"] for r in rows] == [r["reward/mean"] for r in want]
+    assert [r["enhancer/rewrite_words"] for r in rows] == [r["enhancer/rewrite_words"] for r in want]
+    for key in ("painter/loss", "enhancer/grad_norm", "painter/grad_norm"):
+        assert [r[key] for r in rows] == pytest.approx([r[key] for r in want], rel=1e-4, abs=1e-6), key
+    # both models' weights: as close as float reduction order allows, against how far training moved them
+    for model, base in (("enhancer", enhancer_base), ("painter", flow_base)):
+        start, got, ref_w = weights(Path(base)), weights(run / "export" / model), weights(ref / "export" / model)
+        assert ref_w.keys() == got.keys() == start.keys() and ref_w, model
+        moved = sum(((ref_w[k] - start[k]).double() ** 2).sum() for k in ref_w) ** 0.5
+        diff = sum(((got[k] - ref_w[k]).double() ** 2).sum() for k in ref_w) ** 0.5
+        assert moved > 1e-4 and diff < 1e-3 * moved, (model, float(diff), float(moved))
+
+
+def weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {f"{f.relative_to(folder)}:{k}": v for f in sorted(folder.rglob("*.safetensors"))
+            for k, v in load_file(str(f)).items()}
+
+def test_a_joint_run_on_two_torchrun_processes_trains_what_one_process_trains(enhancer_base, flow_base, one_process,
+                                                                               tmp_path):
+    run = tmp_path / "two"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "regen",
+           *joint_args(enhancer_base, flow_base, run, STEPS, "run.threads=1"), "distributed.mode=torchrun"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    same_training(run, one_process, enhancer_base, flow_base)
+
+
+def test_a_joint_run_in_a_ray_trainer_group_trains_what_one_process_trains(enhancer_base, flow_base, one_process,
+                                                                            tmp_path):
+    pytest.importorskip("ray")
+    run = tmp_path / "group"
+    assert main([*joint_args(enhancer_base, flow_base, run, STEPS, "run.threads=1"), "distributed.mode=ray",
+                 "distributed.trainer_workers=2", "distributed.ray_address=null"]) == 0
+    same_training(run, one_process, enhancer_base, flow_base)
+    import ray
+
+    ray.shutdown()
