@@ -5,6 +5,8 @@ uninterrupted single process ends."""
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -14,7 +16,7 @@ from safetensors.torch import load_file
 
 from regen.cli import main
 from tests.conftest import BRIGHT, read_jsonl
-from tests.test_torchrun import SETUP, assert_same_weights
+from tests.test_torchrun import ROOT, SETUP, assert_same_weights
 
 pytestmark = pytest.mark.extended  # multi-process: the CI's second tier (pyproject.toml markers)
 
@@ -89,27 +91,28 @@ def test_a_killed_trainer_actor_restarts_the_group_from_its_checkpoint(base_mode
 
 
 def test_a_stop_request_to_the_driver_stops_every_trainer_at_one_step_and_the_rerun_resumes(
-        base_model, one_process, tmp_path, capsys):
-    run = tmp_path / "run"
+        base_model, tmp_path, capsys):
+    run, steps = tmp_path / "run", 40  # long enough (a step takes about 0.2 s) for the stop to land mid-run
 
     def sigterm_once_started():  # as a scheduler's SIGTERM reaches the process the user started
         deadline = time.time() + 300
         while time.time() < deadline:
-            if (run / "config.yaml").exists():  # rank 0 is up (a step takes well under a second: be early)
+            if (run / "config.yaml").exists():  # rank 0 is up
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
             time.sleep(0.02)
 
     watcher = threading.Thread(target=sigterm_once_started, daemon=True)
     watcher.start()
-    assert group(run, base_model, "checkpoint.every=0") == 0
+    assert group(run, base_model, "checkpoint.every=0", f"train.steps={steps}") == 0
     watcher.join(1)
-    steps = [r["step"] for r in read_jsonl(run / "metrics.jsonl")]
-    assert steps and steps[-1] < 4 and "stopped at step" not in capsys.readouterr().err
-    assert [p.name for p in (run / "checkpoints").iterdir()] == [f"step_{steps[-1]:08d}"]  # written at the stop
-    assert group(run, base_model) == 0
-    same_run(run, one_process, base_model)
-
+    done = [r["step"] for r in read_jsonl(run / "metrics.jsonl")]
+    assert done and done[-1] < steps, done
+    assert [p.name for p in (run / "checkpoints").iterdir()] == [f"step_{done[-1]:08d}"]  # written at the stop
+    assert not (run / "export").exists()
+    assert group(run, base_model, f"train.steps={steps}") == 0  # the same command resumes and finishes
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == list(range(1, steps + 1))
+    assert (run / "export").exists()
 
 def test_a_flow_model_trains_the_same_weights_in_a_trainer_group(flow_base, tmp_path):
     # the trainer group is modality-blind: DiffusionNFT with its EMA old policy and a weight EMA, DDP
@@ -144,3 +147,30 @@ def test_what_torchrun_refuses_a_trainer_group_refuses_before_starting_actors(ba
                  "train.global_minibatch_size=12") == 2  # 3 prompts a step for 2 ranks
     assert "3 prompts per step cannot be split evenly over 2 trainer processes" in capsys.readouterr().err
     assert not run.exists()
+
+
+def test_a_killed_driver_takes_its_trainers_with_it_and_the_rerun_resumes(base_model, tmp_path):
+    """SIGKILL to the process the user started (its private Ray with it): no trainer actor is left
+    writing the run directory, and the same command resumes from the last checkpoint."""
+    run, steps = tmp_path / "run", 40
+    args = ["train", f"model.path={base_model}", f"run.dir={run}", *SETUP, *GROUP, f"train.steps={steps}",
+            "checkpoint.every=5"]
+    before = set(trainer_pids())
+    driver = subprocess.Popen([sys.executable, "-m", "regen", *args], cwd=ROOT, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    deadline = time.time() + 300
+    while time.time() < deadline and driver.poll() is None:  # the moment: step 5's checkpoint is complete
+        if (run / "checkpoints" / "step_00000005" / "manifest.json").exists():
+            break
+        time.sleep(0.02)
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    assert driver.returncode == -signal.SIGKILL
+    deadline = time.time() + 60
+    while time.time() < deadline and set(trainer_pids()) - before:
+        time.sleep(0.2)
+    assert not set(trainer_pids()) - before, "trainer actors outlived their driver by a minute"
+    left = sorted(p.name for p in (run / "checkpoints").iterdir() if (p / "manifest.json").exists())
+    assert left and left[-1] < f"step_{steps:08d}" and not (run / "export").exists(), left  # killed mid-run
+    assert main(args) == 0  # the same command resumes from the newest complete checkpoint
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == list(range(1, steps + 1))
