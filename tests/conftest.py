@@ -202,3 +202,19 @@ def make_tiny_clip(folder: Path, seed: int = 0) -> Path:
 @pytest.fixture(scope="session")
 def tiny_clip(tmp_path_factory) -> Path:
     return make_tiny_clip(tmp_path_factory.mktemp("clip") / "clip")
+
+
+def sigkill_after_checkpoint(proc, run: Path, step: int, timeout_s: float = 300.0, poll_s: float = 0.01) -> None:
+    """SIGKILL `proc` at the named moment: as soon as the step-`step` checkpoint of `run` is complete
+    (its manifest, written last, exists), or when it exits or the time runs out."""
+    import signal
+    import time
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and proc.poll() is None:
+        if (run / "checkpoints" / f"step_{step:08d}" / "manifest.json").exists():
+            break
+        time.sleep(poll_s)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the process ended before the moment it was to be killed at"

@@ -3,10 +3,8 @@ image reward trains both. The advantage routing against hand-computed values, a 
 resumes bitwise equal, rollback of both models, frozen models and schedules, export of both,
 and the config errors of a miswired pipeline."""
 
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,7 @@ from regen.cli import main
 from regen.config import RLConfig, load_config
 from regen.modalities.joint import JointModality, rewrite_rewards
 from regen.runtime.dist import Dist
-from tests.conftest import NaNAt, export_weights, read_jsonl, same_run
+from tests.conftest import NaNAt, export_weights, read_jsonl, same_run, sigkill_after_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -151,14 +149,7 @@ def test_a_killed_joint_run_resumes_bitwise_equal(enhancer_base, flow_base, tmp_
     assert main(args(ref)) == 0
     proc = subprocess.Popen([sys.executable, "-m", "regen", *args(run)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, cwd=ROOT)
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:  # the moment: the step-3 checkpoint is complete
-        if (run / "checkpoints" / "step_00000003" / "manifest.json").exists():
-            break
-        time.sleep(0.005)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL
+    sigkill_after_checkpoint(proc, run, 3, timeout_s=120, poll_s=0.005)
     done = sorted(p.name for p in (run / "checkpoints").iterdir() if (p / "manifest.json").exists())
     assert done and done[-1] < "step_00000008", done  # killed mid-run: steps are left to resume
     assert main(args(run)) == 0  # the same command resumes from the newest complete checkpoint

@@ -9,14 +9,12 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
 
 from regen.cli import main
-from tests.conftest import BRIGHT, read_jsonl
-from tests.test_torchrun import ROOT, SETUP, assert_same_weights
+from tests.conftest import read_jsonl, sigkill_after_checkpoint
+from tests.test_torchrun import ROOT, SETUP, assert_same_flow_training, assert_same_weights, flow_args
 
 pytestmark = pytest.mark.extended  # multi-process: the CI's second tier (pyproject.toml markers)
 
@@ -116,22 +114,11 @@ def test_a_stop_request_to_the_driver_stops_every_trainer_at_one_step_and_the_re
 
 def test_a_flow_model_trains_the_same_weights_in_a_trainer_group(flow_base, tmp_path):
     # the trainer group is modality-blind: DiffusionNFT with its EMA old policy and a weight EMA, DDP
-    args = [f"model.path={flow_base}", "algorithm.name=nft", "data.train=builtin:shapes:train", "data.eval=null",
-            "rollout.global_batch_size=16", "rollout.group_size=4", "train.global_minibatch_size=8",
-            "train.ppo_epochs=2", "flow.steps=4", "log.progress=none", "log.tensorboard=false", "optim.lr=1e-3",
-            "run.threads=1", "train.steps=3", BRIGHT, "flow.weight_ema=0.5", "flow.ema_rate=0.2"]
+    args = flow_args(flow_base, "nft")
     one, two = tmp_path / "one", tmp_path / "two"
     assert main(["train", *args, f"run.dir={one}", "distributed.mode=single"]) == 0
     assert main(["train", *args, f"run.dir={two}", *GROUP]) == 0
-    rows, ref = read_jsonl(two / "metrics.jsonl"), read_jsonl(one / "metrics.jsonl")
-    for key in ("reward/mean", "loss", "grad_norm"):
-        assert [r[key] for r in rows] == pytest.approx([r[key] for r in ref], rel=1e-4, abs=1e-6), key
-    unet = "unet/diffusion_pytorch_model.safetensors"
-    w2, w1, w0 = (load_file(str(p / unet)) for p in (two / "export", one / "export", Path(flow_base)))
-    diff = sum(((w2[k] - w1[k]) ** 2).sum() for k in w1) ** 0.5
-    moved = sum(((w1[k] - w0[k]) ** 2).sum() for k in w1) ** 0.5
-    assert moved > 1e-3 and diff < 1e-3 * moved, (float(diff), float(moved))
-
+    assert_same_flow_training(two, one, flow_base)
 
 def test_a_group_the_cluster_cannot_place_is_one_error_before_anything_is_written(base_model, tmp_path, capsys):
     run = tmp_path / "run"
@@ -158,14 +145,7 @@ def test_a_killed_driver_takes_its_trainers_with_it_and_the_rerun_resumes(base_m
     before = set(trainer_pids())
     driver = subprocess.Popen([sys.executable, "-m", "regen", *args], cwd=ROOT, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    deadline = time.time() + 300
-    while time.time() < deadline and driver.poll() is None:  # the moment: step 5's checkpoint is complete
-        if (run / "checkpoints" / "step_00000005" / "manifest.json").exists():
-            break
-        time.sleep(0.02)
-    driver.send_signal(signal.SIGKILL)
-    driver.wait()
-    assert driver.returncode == -signal.SIGKILL
+    sigkill_after_checkpoint(driver, run, 5)
     deadline = time.time() + 60
     while time.time() < deadline and set(trainer_pids()) - before:
         time.sleep(0.2)
