@@ -28,8 +28,7 @@ class DistributedConfig(Section):
     timeout_s: float = Field(
         1800.0, ge=1.0, description="torchrun and a Ray trainer group: seconds a collective waits for every "
         "rank before the run fails (a rank that died or hangs). Long enough for rank 0's held-out evaluations and "
-        "checkpoint writes, which "
-        "the other ranks wait out; shorter makes a lost node fail the job sooner."
+        "checkpoint writes, which the other ranks wait out; shorter makes a lost node fail the job sooner."
     )
     ray_address: str | None = Field(
         None, description="ray: address of a running Ray cluster ('auto' = the one this node joined with "

@@ -12,9 +12,9 @@ directory (on shared storage when the actors span nodes), checkpoints are single
 The driver follows the run from metrics.jsonl and alerts.jsonl (the actors' own consoles go to
 Ray's worker logs), passes a stop request (SIGINT / SIGTERM) on to every actor so they stop at
 the same step with a checkpoint (an actor's loop runs in a thread of its own, where a signal
-cannot be caught: the request is an actor call), and when an actor dies (killed, out of memory, node lost) it
-stops the others and starts the group again; the new group resumes from the last checkpoint,
-exactly as a rerun of the command would (`distributed.max_restarts` restarts per run).
+cannot be caught: the request is an actor call), and when an actor dies (killed, out of memory,
+node lost) it stops the others and starts the group again; the new group resumes from the last
+checkpoint, exactly as a rerun of the command would (`distributed.max_restarts` restarts per run).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class TrainerWorker:
         import ray
 
         return {"node": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
-                "pid": os.getpid(), "gpus": len(ray.get_gpu_ids())}
+                "gpus": len(ray.get_gpu_ids())}
 
     def free_port(self) -> int:
         with socket.socket() as s:
