@@ -127,11 +127,17 @@ class Job:
 
 def export_weights(run: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a run's export/ (language model or flow model), keyed by file and name."""
+    return folder_weights(run / "export", root=run)
+
+
+def folder_weights(folder: Path, root: Path | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors files under `folder`, keyed by file (relative to `root`,
+    default `folder`) and name."""
     from safetensors.torch import load_file
 
     out = {}
-    for f in sorted((run / "export").rglob("*.safetensors")):
-        out.update({f"{f.relative_to(run)}:{k}": v for k, v in load_file(str(f)).items()})
+    for f in sorted(folder.rglob("*.safetensors")):
+        out.update({f"{f.relative_to(root or folder)}:{k}": v for k, v in load_file(str(f)).items()})
     return out
 
 

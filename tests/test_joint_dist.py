@@ -8,10 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from regen.cli import main
-from tests.conftest import read_jsonl
+from tests.conftest import folder_weights, read_jsonl
 from tests.test_joint import joint_args
 
 pytestmark = pytest.mark.extended  # multi-process: the CI's second tier (pyproject.toml markers)
@@ -37,18 +36,12 @@ def same_training(run, ref, enhancer_base, flow_base):
         assert [r[key] for r in rows] == pytest.approx([r[key] for r in want], rel=1e-4, abs=1e-6), key
     # both models' weights: as close as float reduction order allows, against how far training moved them
     for model, base in (("enhancer", enhancer_base), ("painter", flow_base)):
-        start, got, ref_w = weights(Path(base)), weights(run / "export" / model), weights(ref / "export" / model)
+        start, got, ref_w = (folder_weights(f) for f in (Path(base), run / "export" / model, ref / "export" / model))
         assert ref_w.keys() == got.keys() == start.keys() and ref_w, model
         moved = sum(((ref_w[k] - start[k]).double() ** 2).sum() for k in ref_w) ** 0.5
         diff = sum(((got[k] - ref_w[k]).double() ** 2).sum() for k in ref_w) ** 0.5
         assert moved > 1e-4 and diff < 1e-3 * moved, (model, float(diff), float(moved))
 
-
-def weights(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return {f"{f.relative_to(folder)}:{k}": v for f in sorted(folder.rglob("*.safetensors"))
-            for k, v in load_file(str(f)).items()}
 
 def test_a_joint_run_on_two_torchrun_processes_trains_what_one_process_trains(enhancer_base, flow_base, one_process,
                                                                                tmp_path):
