@@ -151,7 +151,7 @@ CASES = [
     ("flow_grpo", (TIED,), "algorithm.dynamic_sampling=true"),
     ("flow_grpo", (TIED, "algorithm.dynamic_sampling=true"), "algorithm.max_sampling_rounds=0"),
     ("flow_dppo", ("train.ppo_epochs=2", "optim.lr=1e-5"), "flow.dppo_tau=0.000000001"),
-    ("nft", (), "flow.nft_beta=0.5"), ("nft", (), "flow.ema_rate=0.5"),
+    ("nft", (), "flow.nft_beta=0.5"), ("nft", (), "algorithm.kl_coef=1.0"), ("nft", (), "flow.ema_rate=0.5"),
     ("nft", ("flow.ema_rate=0.5",), "flow.ema_max=0.0001"),
     ("awm", (), "flow.awm_weight=t"), ("awm", (), "algorithm.kl_coef=0.5"),
     ("awm", ("algorithm.kl_coef=0.5",), "flow.ema_rate=0.5"),

@@ -72,6 +72,25 @@ def test_nft_loss_general_beta_and_scale():
     close(nft_loss(*args, beta=0.5, scale=5.0)[0], 5 * (0.8 * 5 / 12 + 0.2 * 0.65) / 0.5)
 
 
+def test_nft_kl_to_reference_adds_the_velocity_distance_outside_scale():
+    # v_ref = [[0,0],[0,0]]: per-sample mean (v - v_ref)^2 = (0 + 1)/2 = .5 and (1 + 4)/2 = 2.5; mean 1.5
+    r = torch.tensor([0.8, 0.3], dtype=F64)
+    v = V_THETA.clone().requires_grad_()
+    loss, m = nft_loss(v, V_OLD, X0, XT, T, r, beta=1.0, scale=5.0, v_ref=torch.zeros(2, 2, dtype=F64), kl_coef=0.1)
+    close(loss, 5 * 14 / 30 + 0.1 * 1.5)  # scale multiplies the NFT term only (beta-one test: 14/30)
+    close(m["kl"], 1.5)
+    close(m["loss"], 5 * 14 / 30 + 0.1 * 1.5)
+    loss.backward()
+    # d(kl term)/dv = .1 * 2 (v - v_ref) / (2 elements * 2 samples) = .05 v; the NFT part x5 (beta-one test)
+    close(v.grad, 5 * torch.tensor([[11 / 30, 1 / 15], [-2 / 15, -7 / 60]], dtype=F64) + 0.05 * V_THETA)
+    # a missing reward drops the sample from the KL too: sample 0 alone, .1 * .5
+    loss, m = nft_loss(V_THETA, V_OLD, X0, XT, T, torch.tensor([0.8, NAN], dtype=F64), v_ref=torch.zeros(2, 2, dtype=F64),
+                       kl_coef=0.1)
+    close(loss, 17 / 30 + 0.05)
+    # kl_coef 0 or no v_ref: no KL term and no metric
+    assert "kl" not in nft_loss(V_THETA, V_OLD, X0, XT, T, r, v_ref=torch.zeros(2, 2, dtype=F64))[1]
+
+
 @pytest.mark.parametrize("r, toward", [(1.0, True), (0.0, False)])
 def test_nft_r_one_pulls_toward_true_velocity_and_r_zero_pushes_away(r, toward):
     g = torch.Generator().manual_seed(0)

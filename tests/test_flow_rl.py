@@ -43,10 +43,14 @@ def test_flow_grpo_micro_batches_match(flow_base, tmp_path):
 
 
 def test_nft_checkpoints_its_ema_and_resumes_exactly(flow_base, tmp_path):
+    """With a KL to the base (algorithm.kl_coef): a resumed run rebuilds the base, not its checkpoint."""
     a, b = tmp_path / "a", tmp_path / "b"
-    assert rl(a, flow_base, "nft", "train.steps=4", "checkpoint.every=2", "flow.ema_rate=0.2") == 0
-    assert rl(b, flow_base, "nft", "train.steps=2", "flow.ema_rate=0.2") == 0
-    assert rl(b, flow_base, "nft", "train.steps=4", "flow.ema_rate=0.2", "--resume") == 0
+    common = ("flow.ema_rate=0.2", "algorithm.kl_coef=0.1", "optim.lr=1e-3")
+    assert rl(a, flow_base, "nft", "train.steps=4", "checkpoint.every=2", *common) == 0
+    assert rl(b, flow_base, "nft", "train.steps=2", *common) == 0
+    assert rl(b, flow_base, "nft", "train.steps=4", *common, "--resume") == 0
+    kl = [r["kl"] for r in read_jsonl(a / "metrics.jsonl") if "reward/mean" in r]
+    assert len(kl) == 4 and kl[0] == 0.0 and kl[-1] > 0  # step 1 trains the base itself
     manifest = json.loads((a / "checkpoints" / "step_00000004" / "manifest.json").read_text())["sha256"]
     assert "nft_old.safetensors" in manifest
     for sub in ("model/unet/diffusion_pytorch_model.safetensors", "nft_old.safetensors"):

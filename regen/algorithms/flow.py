@@ -217,7 +217,7 @@ def binary_optimality(labels: torch.Tensor | Sequence[int | bool | None]) -> tor
 def nft_loss(
     v_theta: torch.Tensor, v_old: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor | float,
     r: torch.Tensor, beta: float = 1.0, eps: float = 1e-5, scale: float = 1.0,
-    denoms: dict[str, float] | None = None,
+    denoms: dict[str, float] | None = None, v_ref: torch.Tensor | None = None, kl_coef: float = 0.0,
 ) -> tuple[torch.Tensor, Metrics]:
     """DiffusionNFT loss (Zheng et al. 2025, "Online Diffusion Reinforcement with Forward Process"),
     in the x0 form with the adaptive per-sample weight:
@@ -236,8 +236,11 @@ def nft_loss(
     to scale = 1 (the paper): under Adam a constant factor changes almost nothing, but it does
     change the weight of any KL term added beside it and the gradient norm that clipping sees,
     so set scale = C to reproduce the public code's numbers. eps = 1e-5 is the public code's floor.
+    v_ref (B, ...), kl_coef k: the public code's optional KL to the reference model, a velocity
+    distance (the KL between two flows' Gaussian steps is proportional to it):
+        L += k * mean_i mean_elements (v_theta - v_ref)^2      over valid samples, outside `scale`
     Metrics: loss, pos_loss, neg_loss (means over valid samples of the two weighted terms),
-    r_mean, old_deviate (mean (v_theta - v_old)^2), valid_frac.
+    r_mean, old_deviate (mean (v_theta - v_old)^2), valid_frac, and kl when v_ref is given.
     """
     if beta <= 0:
         raise ValueError(f"nft_loss: beta must be > 0, got {beta}")
@@ -268,6 +271,11 @@ def nft_loss(
             "old_deviate": (v - v_old).pow(2).mean(),
             "valid_frac": vf.mean(),
         }
+    if v_ref is not None and kl_coef > 0:
+        drift = _per_sample_mean((v - _hi(v_ref).detach()).pow(2))
+        loss = loss + kl_coef * _sample_mean(drift, valid, denoms)
+        metrics["loss"] = loss.detach()
+        metrics["kl"] = masked_mean(drift.detach(), valid.to(drift.dtype))
     return loss, metrics
 
 

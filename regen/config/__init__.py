@@ -148,7 +148,8 @@ class AlgorithmConfig(Section):
         0.0, ge=0.0, description="Weight of the KL term; 0 loads no reference model. Language models: KL to the "
         "starting model (kl_estimator, kl_placement). flow_grpo: the exact Gaussian KL of each SDE step to the "
         "starting model. awm: the velocity-space KL to an EMA of the policy (decay from flow.ema_rate / ema_max; "
-        "Flow-Factory recommends 0.1). dgpo: the velocity-space KL to the starting model (public code: 1e-3)."
+        "Flow-Factory recommends 0.1). nft, dgpo: the velocity-space KL to the starting model (dgpo's public "
+        "code: 1e-3)."
     )
     kl_estimator: Literal["k1", "k2", "k3"] = Field(
         "k3", description="Language models: Schulman's KL estimator used in the loss (with kl_coef > 0)."

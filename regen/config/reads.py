@@ -151,7 +151,7 @@ OWN: dict[str, list[Read]] = {
             *QUALITY],
     "flow_grpo": [*SDE, *_always("algorithm.clip_low", "algorithm.clip_high", "algorithm.kl_coef")],
     "flow_dppo": [*SDE, *_always("flow.dppo_tau")],
-    "nft": [*ODE, *_always("flow.nft_beta", "flow.ema_rate", "flow.ema_max", "algorithm.reward_type")],
+    "nft": [*ODE, *_always("flow.nft_beta", "flow.ema_rate", "flow.ema_max", "algorithm.reward_type", "algorithm.kl_coef")],
     "awm": [*ODE, *_always("flow.awm_weight", "algorithm.kl_coef"),
             *_when("with algorithm.kl_coef > 0 (the EMA anchor)", lambda c: c.algorithm.kl_coef > 0, "flow.ema_rate",
                    "flow.ema_max")],

@@ -85,8 +85,8 @@ class FlowModality(Modality):
         if sampler_only:
             self.policy.unet.eval()
             return
-        needs_base = (a.name == "flow_grpo" and a.kl_coef > 0) or (a.name == "dgpo" and (a.kl_coef > 0
-                                                                                          or f.dgpo_ref == "base"))
+        needs_base = (a.name in ("flow_grpo", "nft") and a.kl_coef > 0) or (
+            a.name == "dgpo" and (a.kl_coef > 0 or f.dgpo_ref == "base"))
         if needs_base:  # the run's starting model, also after a resume
             if cfg.model.lora is not None:
                 self.ref = BaseView(self.policy.unet)  # the base is the network with its adapter off: no copy
@@ -257,8 +257,9 @@ class FlowModality(Modality):
         if a.name == "nft":
             with torch.no_grad():
                 v_old = self.policy.velocity(xt, t, cond, unet=self.ema)
+                v_ref = None if self.ref is None else self.policy.velocity(xt, t, cond, unet=self.ref)
             r = nft_optimality(adv, f.adv_clip, valid)
-            return nft_loss(v, v_old, x0, xt, t, r, f.nft_beta, denoms=mini.denoms)
+            return nft_loss(v, v_old, x0, xt, t, r, f.nft_beta, denoms=mini.denoms, v_ref=v_ref, kl_coef=a.kl_coef)
         if a.name == "dgpo":
             return dgpo_micro_loss(self, mini, pos, v, x0, xt, eps, t, cond)
         weight = None if f.awm_weight == "uniform" else f.awm_weight
