@@ -2,7 +2,7 @@
 
 Three parts, each regen's own training loop (`regen.train.train`, the function `python -m regen train`
 calls) run in this process on a config built from dotted overrides as on the command line, so that
-the peak memory the loop reached can be read afterwards (regen logs no memory metric):
+the peak memory the loop reached can be read afterwards:
 
 - `lm`: GRPO (regen's defaults: token-mean loss, clip 0.2, no KL, one optimizer step per batch) on a
   randomly initialised Qwen2 of Qwen2.5-0.5B's shape (Qwen/Qwen2.5-0.5B config.json: vocab 151936,
@@ -15,6 +15,13 @@ the peak memory the loop reached can be read afterwards (regen logs no memory me
   (a random model over 151936 ids almost never samples EOS, so nearly every completion is 128
   tokens long). tokens/s = generated tokens (`response_length/mean` x batch, EOS included) / sum of
   `time/step_s`; "sample only" divides the same tokens by `time/sample_s` (generation alone).
+- `lm_colocate`: the same run with `distributed.colocate=true`: AdamW's moments parked in CPU memory while
+  sampling, and each phase's own peak (`memory/sample_peak_mb`, `memory/update_peak_mb`, logged by regen)
+  printed after the row. Against `lm`: the sampling phase's peak should drop by about the moments
+  (8 bytes per parameter, 4 GB at 494M), at the cost of the two transfers in each step's time.
+- `lm_vllm`: colocated with `rollout.engine=vllm` (`rollout.vllm_memory=0.3`): the in-process vLLM engine
+  sleeps (level 1) for each update and wakes to take the new weights. Skipped with a line when vLLM is
+  not installed. Exercises regen/placement/vllm.py, which no CPU test can.
 - `nft`, `flow_grpo`: DiffusionNFT and Flow-GRPO on a randomly initialised SD3-style flow model
   (regen's `SD3FlowPolicy`: diffusers `SD3Transformer2DModel`, 16 joint blocks x width 1024, 16 heads
   of 64, 2x2 patches; 596M trained parameters, against SD3-medium's 24 x 1536, 2B) over 16-channel
@@ -42,7 +49,8 @@ stops after its current step once --part-limit seconds (default 150) have passed
 
 Run from the repository root with the project's virtualenv:
 
-    python bench/gpu_throughput.py --out /tmp/gpu_throughput.json         # GPU: 3 parts, about 3-5 min (estimate)
+    python bench/gpu_throughput.py --only lm,lm_colocate,lm_vllm --out /tmp/gpu_lm.json   # GPU: the LM parts
+    python bench/gpu_throughput.py --only flow --out /tmp/gpu_flow.json                   # GPU: the flow parts
     python bench/gpu_throughput.py --only lm --steps 20 --lm-batch 128    # one part, other sizes
     python bench/gpu_throughput.py --tiny --out /tmp/gt.json              # CPU smoke test, ~10 s on 2 cores
 """
@@ -51,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import os
 import platform
@@ -109,7 +118,12 @@ SD3_MEDIUM = dict(
     text_len=77,
     joint=512,
 )
-PARTS = ("lm", "nft", "flow_grpo")
+PARTS = ("lm", "lm_colocate", "lm_vllm", "nft", "flow_grpo")
+# the language-model parts: the same GRPO run, alone, colocated (distributed.colocate: AdamW state parked in CPU
+# memory while sampling, each phase's peak logged), and colocated with an in-process vLLM engine put to sleep
+# for every update (skipped with a line where vLLM is not installed)
+LM_PARTS = {"lm": [], "lm_colocate": ["distributed.colocate=true"],
+            "lm_vllm": ["distributed.colocate=true", "rollout.engine=vllm", "rollout.vllm_memory=0.3"]}
 COLOURS, SHAPES, POSITIONS = (
     ("red", "green", "blue", "yellow", "white"),
     ("circle", "square", "triangle"),
@@ -247,6 +261,9 @@ def figures(rows: list[dict], warmup: int, per_step) -> dict:
         "sample_share": sample_s / step_s,
         "median_step_ms": 1000 * statistics.median(r["time/step_s"] for r in kept),
         "step_ms": [round(1000 * r["time/step_s"], 1) for r in rows],
+        # distributed.colocate: each phase's own peak (CUDA allocator; CPU: peak resident set), max over the steps
+        **{f"{ph}_peak_mib": max(r[f"memory/{ph}_peak_mb"] for r in kept)
+           for ph in ("sample", "update") if all(f"memory/{ph}_peak_mb" in r for r in kept)},
     }
 
 
@@ -261,14 +278,18 @@ HEADER = (
 
 
 def row_line(r: dict) -> str:
+    if r.get("skipped"):
+        return f"{r['part']:<10} skipped: {r['error']}"
     f = r["figures"]
+    phases = f" | phase peaks MiB: sample {f['sample_peak_mib']:.0f}, update {f['update_peak_mib']:.0f}" \
+        if "sample_peak_mib" in f else ""
     if not f.get("measured_steps"):
         return f"{r['part']:<10} {r['model']:<24} {fmt_params(r['params']):>8} {r['batch']:>10} no steps: {r['error']}"
     unit = r["unit"]
     return (
         f"{r['part']:<10} {r['model']:<24} {fmt_params(r['params']):>8} {r['batch']:>10} {f['measured_steps']:>6} "
         f"{f['per_s']:>10.1f} {unit:<5} {f['sample_per_s']:>10.1f} {unit:<5} {100 * f['sample_share']:>7.0f}% "
-        f"{f['median_step_ms']:>11.1f} {r['peak_gib']:>8.2f} {r['call_s']:>7.1f}"
+        f"{f['median_step_ms']:>11.1f} {r['peak_gib']:>8.2f} {r['call_s']:>7.1f}{phases}"
     )
 
 
@@ -384,31 +405,40 @@ def main() -> None:
             Path(a.out).write_text(json.dumps({"settings": settings, "environment": env, "parts": results}, indent=1))
 
     try:
-        if "lm" in parts:
+        lm_parts = [x for x in parts if x in LM_PARTS]
+        if lm_parts:
             t0 = time.perf_counter()
             n = build_lm(work / "lm", lm_shape, dtype, a.seed)
+            build_s = time.perf_counter() - t0
             label = "Qwen2 random (tiny)" if a.tiny else "Qwen2.5-0.5B shape, rand"
+        for part in lm_parts:
+            if part == "lm_vllm" and importlib.util.find_spec("vllm") is None:
+                print(f"\n== {part}: skipped, vLLM is not installed (pip install vllm in this environment)", flush=True)
+                results.append({"part": part, "error": "vLLM not installed", "skipped": True})
+                save()
+                continue
             print(
-                f"\n== lm: GRPO, {label}, {fmt_params(n)} params (built and saved in {time.perf_counter() - t0:.1f} s); "
+                f"\n== {part}: GRPO, {label}, {fmt_params(n)} params (built and saved in {build_s:.1f} s); "
                 f"{steps} steps x {lm_batch} completions x {new_tokens} new tokens; stops by {a.part_limit:.0f} s",
                 flush=True,
             )
             overrides = [
                 *common,
                 f"model.path={work / 'lm'}",
-                f"run.dir={work / 'run-lm'}",
+                f"run.dir={work / ('run-' + part)}",
                 "algorithm.name=grpo",
                 "data.train=builtin:arithmetic:train",
                 f"rollout.global_batch_size={lm_batch}",
                 f"rollout.max_new_tokens={new_tokens}",
                 "reward=[{name: exact_match}]",
+                *LM_PARTS[part],
                 *a.set,
             ]
-            facts, rows = run_part("lm", overrides, work / "run-lm", a.device, a.part_limit)
+            facts, rows = run_part(part, overrides, work / ("run-" + part), a.device, a.part_limit)
             fig = figures(rows, a.warmup, lambda r: r["response_length/mean"] * lm_batch)
             results.append(
                 {
-                    "part": "lm",
+                    "part": part,
                     "model": label,
                     "params": n,
                     "batch": f"{lm_batch}x{new_tokens}",
@@ -420,7 +450,7 @@ def main() -> None:
             )
             print(HEADER + "\n" + row_line(results[-1]), flush=True)
             save()
-        flow_parts = [x for x in parts if x != "lm"]
+        flow_parts = [x for x in parts if x not in LM_PARTS]
         if flow_parts:
             t0 = time.perf_counter()
             n = random_sd3(work / "sd3", a.seed, False, **sd3)
@@ -481,7 +511,7 @@ def main() -> None:
     print(HEADER)
     for r in results:
         print(row_line(r))
-        if r["error"] or r["stopped_early"]:
+        if not r.get("skipped") and (r["error"] or r["stopped_early"]):
             notes = ["stopped at --part-limit"] * r["stopped_early"] + [r["error"]] * bool(r["error"])
             print(f"    {r['part']}: {'; '.join(notes)}")
     if a.out:

@@ -30,6 +30,14 @@ class DistributedConfig(Section):
         "rank before the run fails (a rank that died or hangs). Long enough for rank 0's held-out evaluations and "
         "checkpoint writes, which the other ranks wait out; shorter makes a lost node fail the job sooner."
     )
+    colocate: bool = Field(
+        False, description="single and torchrun: sampling and training share each process's device, handing "
+        "memory to each other between phases. Before sampling the optimizer state and the frozen copies go to CPU "
+        "memory (as train.offload); before the update a vLLM engine (rollout.engine=vllm) sleeps (KV cache dropped, "
+        "weights to CPU memory) and it wakes to take the new weights; each step logs memory/sample_peak_mb and "
+        "memory/update_peak_mb (CUDA allocator peak on GPU, peak resident set on CPU; update = scoring, the fixed "
+        "terms and the update). Costs the transfers each step; on a CPU-only run only the measuring acts."
+    )
     ray_address: str | None = Field(
         None, description="ray: address of a running Ray cluster ('auto' = the one this node joined with "
         "`ray start`); null starts a private Ray on this machine."

@@ -87,6 +87,8 @@ ONLINE = [
     *_when("with tasks (a multi-task run)", lambda c: bool(c.tasks), "task_mix"),
     *QUALITY,
     *PROCESS_GROUP,
+    *_when("with distributed.mode single, auto or torchrun (the trainer's own process samples)",
+           lambda c: c.distributed.mode != "ray", "distributed.colocate"),
     *_when("with distributed.mode=ray and trainer_workers=1 (a trainer group samples and scores on its trainers)",
            _ray_actors, "distributed.rollout_workers", "distributed.reward_workers", "distributed.rollout_resources",
            "distributed.reward_resources", "distributed.max_staleness", "distributed.actor_threads",

@@ -68,6 +68,14 @@ class Modality:
         """(optimizers, modules) that sampling does not use: parked in CPU memory with train.offload."""
         return [], []
 
+    def sampler_sleep(self) -> None:
+        """distributed.colocate, before the update: a rollout engine with memory of its own (vLLM)
+        hands it back. The trained model sampling for itself holds nothing between phases."""
+
+    def sampler_wake(self) -> None:
+        """distributed.colocate, after the update: the engine takes its memory back (the new weights
+        are loaded into it next)."""
+
     # ---- 1. sample
     def plan(self, gen: torch.Generator, step: int):
         raise NotImplementedError

@@ -164,6 +164,14 @@ class JointModality(Modality):
     def sync_state(self) -> dict[str, torch.Tensor]:
         return {f"{n}/{k}": v for n in self.names for k, v in self.m[n].sync_state().items()}
 
+    def sampler_sleep(self) -> None:
+        for n in self.names:
+            self.m[n].sampler_sleep()
+
+    def sampler_wake(self) -> None:
+        for n in self.names:
+            self.m[n].sampler_wake()
+
     def sync_local(self, step: int) -> dict[str, float]:
         return {f"{n}/{k}": v for n in self.names for k, v in self.m[n].sync_local(step).items()}
 

@@ -140,6 +140,14 @@ class LMModality(Modality):
         return {k: v.detach().to("cpu") for k, v in self.policy.model.state_dict().items()
                 if not self.policy.is_lora or "lora_" in k}  # LoRA: only the adapter changes
 
+    def sampler_sleep(self) -> None:
+        if self.engine is not self.policy:
+            self.engine.sleep()
+
+    def sampler_wake(self) -> None:
+        if self.engine is not self.policy:
+            self.engine.wake()
+
     def sync_local(self, step: int) -> dict[str, float]:
         """A vLLM engine in this process takes the new weights; the policy itself needs nothing."""
         push = getattr(self.engine, "load_weights", None)

@@ -79,6 +79,9 @@ def check_placement(cfg: RLConfig, d: rdist.Dist) -> None:
     if d.sharded and t.precision == "fp16":
         raise UserError("distributed.strategy=fsdp with train.precision=fp16: loss scaling of sharded gradients "
                         "is not supported; use bf16")
+    if d.sharded and cfg.distributed.colocate:
+        raise UserError("distributed.colocate with distributed.strategy=fsdp: not supported yet (parking sharded "
+                        "optimizer state is not built); use strategy=ddp, or colocate without torchrun")
     if d.sharded and t.offload:
         raise UserError("distributed.strategy=fsdp with train.offload: FSDP2 already spreads the optimizer state "
                         "over the ranks; turn offload off")

@@ -36,7 +36,9 @@ class VLLMEngine:
         self.llm = vllm.LLM(model=source, dtype={"float32": "float32", "bfloat16": "bfloat16",
                                                  "float16": "float16"}[cfg.model.dtype],
                             gpu_memory_utilization=cfg.rollout.vllm_memory, seed=cfg.run.seed,
-                            enable_prefix_caching=True)  # a group's n samples share their prompt
+                            enable_prefix_caching=True,  # a group's n samples share their prompt
+                            enable_sleep_mode=cfg.distributed.colocate)  # sleep() / wake_up() between phases
+        self.asleep = False
         self.load_weights(policy, 0)
 
     def sample(self, prompts: list[str], n: int, temperature: float, top_p: float, max_new_tokens: int,
@@ -54,6 +56,20 @@ class VLLMEngine:
         responses = [list(c.token_ids) for o in outs for c in o.outputs]
         return build_rollout(prompt_ids, responses, [c.text for o in outs for c in o.outputs], self.pad_id,
                              stops, self.policy.device)
+
+    def sleep(self) -> None:
+        """distributed.colocate, for the update: vLLM's sleep level 1 drops the KV cache and moves
+        the weights to CPU memory (level 2 would drop them, but a step whose sync is skipped must
+        still find them), so the update gets the GPU memory `rollout.vllm_memory` reserved."""
+        self.llm.sleep(level=1)
+        self.asleep = True
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
 
     def load_weights(self, policy, step: int) -> dict[str, float]:
         """Copy the trained weights into vLLM's model (the in-process path TRL's colocate mode uses)."""

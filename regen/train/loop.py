@@ -74,7 +74,6 @@ def train(cfg, resume: bool = False, force: bool = False) -> dict:
             run.hooks.enter("sample")  # train.offload: optimizer state and idle frozen copies leave the GPU
             with run.precision.autocast():
                 items, batch = run.rollout.next(step, gen)  # here, on each torchrun rank, or on Ray actors
-            run.hooks.enter("update")
             t1 = time.perf_counter()
 
             # 2. score: one reward per sample; NaN = missing (excluded, never zero). Scoring runs in
@@ -84,6 +83,7 @@ def train(cfg, resume: bool = False, force: bool = False) -> dict:
             if cfg.algorithm.dynamic_sampling:  # DAPO: replace groups without signal (waits for scores)
                 items, batch, scored, dyn = refill_groups(run, step, items, batch, scoring.result(), score)
                 scoring = _done(scored)
+            run.hooks.enter("update")  # parked state back; colocate: the sampling engine sleeps
             with run.precision.autocast():  # the same autocast as the update's: on-policy ratio 1
                 fixed = m.fixed_terms(batch)  # behaviour / reference log-probs, SDE means
             if run.rollout.stale(batch):  # sampled with older weights (Ray): the sampling weights' terms
@@ -107,11 +107,13 @@ def train(cfg, resume: bool = False, force: bool = False) -> dict:
             t3 = time.perf_counter()
 
             # 5. sync: new weights to the samplers (nothing to move when the sampler is the trained model)
+            run.hooks.enter("sync")  # distributed.colocate: a sleeping vLLM engine wakes to take them
             sync_m = run.rollout.sync(step)
 
             metrics = step_metrics(rewards, parts, adv.metrics, upd, lr, (t0, t1, t_wait, t2, t3), m.METRICS)
             metrics.update({**m.batch_metrics(batch), **run.reward.stats(), **run.rollout.stats(), **sync_m, **dyn,
-                            **run.observe_tasks(items, rewards)})  # multi-task: per-task metrics, dynamic weights
+                            **run.observe_tasks(items, rewards),  # multi-task: per-task metrics, dynamic weights
+                            **(run.memory.pop() if run.memory else {})})  # colocate: each phase's peak memory
             run.end_step(step, metrics, scored, bar)  # eval, log, health / rollback, checkpoint, stop if unscored
             if run.dist.any_true(stop.requested):  # torchrun: every rank stops at the same step
                 summary["stopped_early"] = True

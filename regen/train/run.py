@@ -34,7 +34,7 @@ from regen.runtime.alerts import Alerts
 from regen.runtime.hacking import earlier_evals, hacking
 from regen.runtime.health import HealthMonitor
 from regen.runtime.metrics import MetricsLogger
-from regen.runtime.offload import PhaseHooks, loop_hooks
+from regen.runtime.offload import PhaseHooks, PhaseMemory, loop_hooks
 from regen.runtime.optim import lr_at, set_lr
 from regen.runtime.precision import Precision
 from regen.runtime.rundir import (
@@ -76,13 +76,14 @@ class Run:
     rollout: object  # where samples come from: LocalRollouts or RayRollouts (regen/placement/)
     dist: rdist.Dist = field(default_factory=rdist.Dist)  # torchrun rank / world size (single: rank 0 of 1)
     precision: Precision | None = None  # train.precision: autocast and loss scaling
-    hooks: PhaseHooks = field(default_factory=PhaseHooks)  # at each phase change (train.offload parks state)
+    hooks: PhaseHooks = field(default_factory=PhaseHooks)  # at each phase change (offload, colocate)
     mirror: object | None = None  # S3Mirror when mirror.url is set
     expected_versions: dict | None = None  # reward versions of the checkpoint resumed (alert when they change)
     unscored: int = 0  # consecutive steps in which no sample got a score
     quality: Quality | None = None  # eval.metrics: feature extractor and references, loaded once
     evals: list[dict] | None = None  # the evaluations so far (health.hacking_metric), rebuilt from metrics.jsonl
     tasks: list[Task] | None = None  # a multi-task run's streams (regen/data/tasks.py); `data` is then a TaskMix
+    memory: PhaseMemory | None = None  # distributed.colocate: each phase's peak memory
 
     @classmethod
     def start(cls, cfg: RLConfig, resume: bool = False, force: bool = False) -> Run:
@@ -138,11 +139,13 @@ class Run:
         else:
             cfg.log.progress, log = "none", SilentLog()  # one progress bar and one metrics file: rank 0's
         optimizers, idle = m.frozen()
-        hooks = loop_hooks(cfg.train.offload, device, [opt, *optimizers], idle)
+        colocate = cfg.distributed.colocate  # park state, sleep the engine, measure each phase (runtime/offload.py)
+        hooks, memory = loop_hooks(cfg.train.offload or colocate, device, [opt, *optimizers], idle,
+                                   sampler=m if colocate else None, memory=colocate)
         return cls(cfg, run_dir, m, opt, data, gen, reward, prompts, eval_items, log, alerts, health, start_step,
                    rollout, d, Precision(cfg.train.precision, device), hooks, mirror,
                    state["state"].get("reward_versions") if state else None, quality=quality,
-                   evals=earlier_evals(run_dir) if state is not None and d.main else [], tasks=tasks)
+                   evals=earlier_evals(run_dir) if state is not None and d.main else [], tasks=tasks, memory=memory)
 
     # ------------------------------------------------------------------ each step
 
