@@ -135,9 +135,37 @@ def test_binary_labels_are_nft_optimality_as_they_are(flow_base, tmp_path):
     labels = "reward=[{name: binary, args: {of: brightness, threshold: 0.0, args: {target: 0.6}}}]"  # all good
     assert flow_rl(tmp_path / "r", flow_base, "nft", "train.steps=1", labels, "algorithm.reward_type=binary") == 0
     row = [r for r in read_jsonl(tmp_path / "r" / "metrics.jsonl") if "r_mean" in r][0]
-    # normalised as a scalar, a group of equal rewards would give r = 1/2; the label is 1
+    # normalised as a scalar, a group of equal rewards would give r = 1/2; the label is 1. Every group
+    # agrees, so no group holds a preference: every sample weighs 0 and the update is zero
     assert row["reward/mean"] == 1.0 and row["r_mean"] == pytest.approx(1.0)
+    assert row["loss"] == 0.0 and row["grad_norm"] == 0.0
     assert flow_rl(tmp_path / "s", flow_base, "nft", "train.steps=1", BRIGHT_SCALAR, "algorithm.reward_type=binary") == 2
+
+
+def test_nft_binary_labels_weigh_each_groups_good_and_bad_sets_alike(flow_base, tmp_path, monkeypatch):
+    """A batch of two groups of 4 whose labels are 1,1,1,0 and 0,0,0,0: weights n / 2|G+-| = 2/3 for the
+    good samples, 2 for the bad one of group 0, 0 in group 1 (nft_loss's weights are checked by hand in
+    test_flow_ode_losses.py)."""
+    import regen.modalities.flow as fm
+
+    labels = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    seen = {}
+    real = fm.nft_loss
+
+    def spy(*args, **kw):
+        seen.setdefault("weights", []).append(kw["weights"].clone())
+        seen.setdefault("r", []).append(args[5].clone())
+        return real(*args, **kw)
+
+    monkeypatch.setattr(fm, "nft_loss", spy)
+    import regen.train.loop as loop
+
+    monkeypatch.setattr(loop, "score", lambda run, items, batch: (labels.clone(), {}))
+    assert flow_rl(tmp_path / "b", flow_base, "nft", "train.steps=1", "algorithm.reward_type=binary",
+                   "reward=[{name: binary, args: {of: brightness, threshold: 0.5, args: {target: 0.6}}}]") == 0
+    w, r = torch.cat(seen["weights"]), torch.cat(seen["r"])
+    assert w.tolist() == pytest.approx([2 / 3, 2 / 3, 2 / 3, 2.0, 0.0, 0.0, 0.0, 0.0])
+    assert r.tolist() == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
 
 
 BRIGHT_SCALAR = "reward=[{name: brightness, args: {target: 0.6}}]"

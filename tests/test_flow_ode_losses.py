@@ -91,6 +91,18 @@ def test_nft_kl_to_reference_adds_the_velocity_distance_outside_scale():
     assert "kl" not in nft_loss(V_THETA, V_OLD, X0, XT, T, r, v_ref=torch.zeros(2, 2, dtype=F64))[1]
 
 
+def test_nft_weights_scale_each_sample_and_keep_the_valid_count():
+    # per-sample losses of the beta-one test: L0 = 17/30, L1 = 11/30; weights 1.5 and .5 -> (1.5 L0 + .5 L1) / 2
+    r = torch.tensor([0.8, 0.3], dtype=F64)
+    v = V_THETA.clone().requires_grad_()
+    loss, _ = nft_loss(v, V_OLD, X0, XT, T, r, weights=torch.tensor([1.5, 0.5], dtype=F64))
+    close(loss, (1.5 * 17 / 30 + 0.5 * 11 / 30) / 2)
+    loss.backward()
+    close(v.grad, [[1.5 * 11 / 30, 1.5 / 15], [0.5 * -2 / 15, 0.5 * -7 / 60]])  # each row's gradient x its weight
+    # a zero weight silences a sample but it still counts in the mean (as a group without preference does)
+    close(nft_loss(V_THETA, V_OLD, X0, XT, T, r, weights=torch.tensor([0.0, 1.0], dtype=F64))[0], 11 / 60)
+
+
 @pytest.mark.parametrize("r, toward", [(1.0, True), (0.0, False)])
 def test_nft_r_one_pulls_toward_true_velocity_and_r_zero_pushes_away(r, toward):
     g = torch.Generator().manual_seed(0)

@@ -218,6 +218,7 @@ def nft_loss(
     v_theta: torch.Tensor, v_old: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor | float,
     r: torch.Tensor, beta: float = 1.0, eps: float = 1e-5, scale: float = 1.0,
     denoms: dict[str, float] | None = None, v_ref: torch.Tensor | None = None, kl_coef: float = 0.0,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
     """DiffusionNFT loss (Zheng et al. 2025, "Online Diffusion Reinforcement with Forward Process"),
     in the x0 form with the adaptive per-sample weight:
@@ -239,6 +240,8 @@ def nft_loss(
     v_ref (B, ...), kl_coef k: the public code's optional KL to the reference model, a velocity
     distance (the KL between two flows' Gaussian steps is proportional to it):
         L += k * mean_i mean_elements (v_theta - v_ref)^2      over valid samples, outside `scale`
+    weights (B,) >= 0, optional: L_i is multiplied by weights_i (binary labels: each group's good
+    and bad sets weighing alike, see binary_advantages); the mean still divides by the valid count.
     Metrics: loss, pos_loss, neg_loss (means over valid samples of the two weighted terms),
     r_mean, old_deviate (mean (v_theta - v_old)^2), valid_frac, and kl when v_ref is given.
     """
@@ -259,6 +262,8 @@ def nft_loss(
     valid = torch.isfinite(r)
     rs = torch.where(valid, r, torch.zeros_like(r)).to(pos.dtype)  # NaN * 0 would poison the gradient
     per_sample = (rs * pos + (1.0 - rs) * neg) / beta
+    if weights is not None:
+        per_sample = per_sample * _hi(weights).detach()
     loss = scale * _sample_mean(per_sample, valid, denoms)
     with torch.no_grad():
         vf = valid.to(pos.dtype)

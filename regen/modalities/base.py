@@ -42,6 +42,7 @@ class Advantages:
     metrics: dict = field(default_factory=dict)  # missing_frac, zero_std_frac, ...
     returns: torch.Tensor | None = None  # (B, T) PPO's value targets
     values: torch.Tensor | None = None  # (B, T) PPO's critic values before the update
+    weights: torch.Tensor | None = None  # (B,) per-sample loss weights (NFT on binary labels: balanced sets)
 
 
 class Modality:
