@@ -51,6 +51,12 @@ def test_nft_checkpoints_its_ema_and_resumes_exactly(flow_base, tmp_path):
     assert rl(b, flow_base, "nft", "train.steps=4", *common, "--resume") == 0
     kl = [r["kl"] for r in read_jsonl(a / "metrics.jsonl") if "reward/mean" in r]
     assert len(kl) == 4 and kl[0] == 0.0 and kl[-1] > 0  # step 1 trains the base itself
+    # `regen eval` takes a flow run's export/ folder itself (flow_policy.json), like the run: same weights
+    flags = ["--config", str(a / "config.yaml"), "--num-prompts", "2", "--samples-per-prompt", "2"]
+    assert main(["eval", str(a / "export"), *flags, "--out", str(a / "e1.json")]) == 0
+    assert main(["eval", str(a), *flags, "--out", str(a / "e2.json")]) == 0
+    e1, e2 = (json.loads((a / f).read_text())["metrics"] for f in ("e1.json", "e2.json"))
+    assert e1 == e2 and "reward" in e1
     manifest = json.loads((a / "checkpoints" / "step_00000004" / "manifest.json").read_text())["sha256"]
     assert "nft_old.safetensors" in manifest
     for sub in ("model/unet/diffusion_pytorch_model.safetensors", "nft_old.safetensors"):

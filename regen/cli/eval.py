@@ -62,13 +62,22 @@ def resolve_source(src: str) -> Source:
             print(f"warning: {w}", file=sys.stderr)
         if folder is not None:
             return Source(folder / "model", folder.name, p)
-        if (p / "export" / "config.json").is_file():
+        if is_model_folder(p / "export"):
             return Source(p / "export", "export", p)
         raise UserError(f"eval: run directory '{src}' has no valid checkpoint and no export/")
-    if (p / "config.json").is_file() or (p / "adapter_config.json").is_file():
+    if is_model_folder(p):
         return Source(p, p.resolve().name, None)
-    raise UserError(f"eval: '{src}' is not a run directory, checkpoint or model folder "
-                    "(no checkpoints/, manifest.json or config.json in it)")
+    raise UserError(f"eval: '{src}' is not a run directory, checkpoint or model folder (no checkpoints/, "
+                    "manifest.json, config.json, adapter_config.json, flow_policy.json or model_index.json in it)")
+
+
+# what marks a model folder: transformers (config.json), a PEFT adapter, a regen flow model (flow_policy.json:
+# the shapes models, a flow run's export/), a diffusers pipeline (model_index.json)
+MODEL_MARKERS = ("config.json", "adapter_config.json", "flow_policy.json", "model_index.json")
+
+
+def is_model_folder(p: Path) -> bool:
+    return any((p / name).is_file() for name in MODEL_MARKERS)
 
 
 def refuse_joint(src: str, p: Path) -> None:

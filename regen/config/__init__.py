@@ -102,7 +102,8 @@ class AlgorithmConfig(Section):
     )
     reward_type: Literal["scalar", "binary", "pairwise"] = Field(
         "scalar", description="nft / dgpo: the form of the total reward. 'scalar': group-normalised advantages. "
-        "'binary': good (1) / bad (0) labels used as they are (NFT's optimality r = the label; DGPO's positive and "
+        "'binary': good (1) / bad (0) labels used as they are (NFT's optimality r = the label, each group's good and "
+        "bad sets weighted alike and groups whose labels agree left without preference; DGPO's positive and "
         "negative sets). 'pairwise': each sample's win rate against its group from pairwise 1 / 0.5 / 0 labels (the "
         "`pairwise` reward) used as r (NFT) or as the preference direction 2 * (w - 0.5) (DGPO); held-out "
         "evaluation then scores the win rate against the starting model's samples on the same prompts and noise."
