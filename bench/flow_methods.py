@@ -280,7 +280,8 @@ def main() -> None:
         if (len(json.loads(meta.read_text()).get("sample_shape", [])) == 4) != (a.task == "video"):
             p.error(f"--base {a.base}: not a{'' if a.task == 'video' else 'n'} {a.task} model (its sample_shape)")
     rev, cpus, loads = git_describe(), os.cpu_count(), [load_avg()]
-    print(f"git describe: {rev}\ntask: {a.task}; methods: {', '.join(METHODS[n] for n in names)}; seeds {a.first_seed}..{a.first_seed + a.seeds - 1}, "
+    last_seed = a.first_seed + a.seeds - 1
+    print(f"git describe: {rev}\ntask: {a.task}; methods: {', '.join(METHODS[n] for n in names)}; seeds {a.first_seed}..{last_seed}, "
           f"alternated\neval: {n_prompts} held-out prompts x {a.eval_samples} samples = {n_eval} per evaluation"
           f"{f' (under {MIN_EVAL}: too few to rank methods)' if n_eval < MIN_EVAL else ''}\n"
           f"torch threads per run (run.threads): {threads}; {cpus} CPU cores; load average (1 min) at start: {loads[0]}",
@@ -329,7 +330,8 @@ def main() -> None:
           f"{git_describe()}")
 
     warnings = [f"{busy} of {len(runs)} runs started with a load average above {busy_load}"] if busy else []
-    for seed in range(a.first_seed, a.first_seed + a.seeds):  # one base and one eval noise per seed: the step-0 evals must agree
+    # one base and one eval noise per seed: the step-0 evals must agree
+    for seed in range(a.first_seed, a.first_seed + a.seeds):
         rs = [r for r in runs if r["seed"] == seed]
         if any(abs(r["reward_at_0"] - rs[0]["reward_at_0"]) > 1e-6 or abs(r["adherence_at_0"] - rs[0]["adherence_at_0"]) > 1e-6
                for r in rs):
@@ -361,7 +363,8 @@ def main() -> None:
     per_step = ", ".join(f"{b} {a.task}s per step ({b // g} prompts x {g})" for b, g in batches)
     steps = a.steps if a.steps is not None else "configs'"
     if a.out:
-        settings = {"date": today, "task": a.task, "base": str(base), "work": str(work), "seeds": a.seeds, "first_seed": a.first_seed,
+        settings = {"date": today, "task": a.task, "base": str(base), "work": str(work), "seeds": a.seeds,
+                    "first_seed": a.first_seed,
                     "methods": names, "steps": a.steps, "eval_every": a.eval_every, "eval_prompts": n_prompts,
                     "eval_samples_per_prompt": a.eval_samples, "eval_count": n_eval, "lr_overrides": lrs,
                     "target": target, "target_source": source, "base_reward": base_rew, "base_adherence": base_adh,
