@@ -281,7 +281,8 @@ def main() -> None:
             p.error(f"--base {a.base}: not a{'' if a.task == 'video' else 'n'} {a.task} model (its sample_shape)")
     rev, cpus, loads = git_describe(), os.cpu_count(), [load_avg()]
     last_seed = a.first_seed + a.seeds - 1
-    print(f"git describe: {rev}\ntask: {a.task}; methods: {', '.join(METHODS[n] for n in names)}; seeds {a.first_seed}..{last_seed}, "
+    methods = ", ".join(METHODS[n] for n in names)
+    print(f"git describe: {rev}\ntask: {a.task}; methods: {methods}; seeds {a.first_seed}..{last_seed}, "
           f"alternated\neval: {n_prompts} held-out prompts x {a.eval_samples} samples = {n_eval} per evaluation"
           f"{f' (under {MIN_EVAL}: too few to rank methods)' if n_eval < MIN_EVAL else ''}\n"
           f"torch threads per run (run.threads): {threads}; {cpus} CPU cores; load average (1 min) at start: {loads[0]}",
