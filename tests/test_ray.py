@@ -67,6 +67,36 @@ def test_disaggregated_run_learns_and_survives_a_killed_rollout_actor(base_model
     assert last > first + 0.3, (first, last)  # it learns the task
 
 
+def test_a_reward_actor_that_died_between_calls_is_replaced_for_the_version_check(base_model, tmp_path):
+    """The loop asks the reward actors for their versions after scoring; one killed in between is
+    replaced and asked again (it had failed the run)."""
+    from regen.config import RLConfig, load_config
+    from regen.placement.ray import RayReward
+
+    cfg = load_config(RLConfig, None, [f"model.path={base_model}", f"run.dir={tmp_path}", *LEARN, *RAY])
+    reward = RayReward(cfg)
+    try:
+        before = reward.versions()
+        ray.kill(reward.workers.actors[0])
+        assert reward.versions() == before and reward.workers.restarts == 1
+    finally:
+        reward.close()
+
+
+def test_a_run_that_fails_in_its_loop_stops_its_actors(base_model, tmp_path, monkeypatch):
+    """Its actors are named: left behind, they kept the next run in the same process from starting."""
+    import regen.train.update as upd
+
+    def broken(*a, **k):
+        raise RuntimeError("a bug in the update")
+
+    monkeypatch.setattr(upd, "update", broken)
+    with pytest.raises(RuntimeError, match="a bug in the update"):
+        main(["train", f"model.path={base_model}", f"run.dir={tmp_path / 'a'}", *LEARN, *RAY, "train.steps=2"])
+    monkeypatch.undo()
+    assert main(["train", f"model.path={base_model}", f"run.dir={tmp_path / 'b'}", *LEARN, *RAY, "train.steps=2"]) == 0
+
+
 def test_one_step_off_policy_never_exceeds_the_bound(base_model, tmp_path):
     run = tmp_path / "async"
     assert main(["train", f"model.path={base_model}", f"run.dir={run}", *LEARN, *RAY, "train.steps=5",

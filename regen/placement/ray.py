@@ -268,9 +268,9 @@ class RayReward:
         return total, {k: [x for _, p in results for x in p[k]] for k in results[0][1]}
 
     def versions(self) -> dict[str, str]:
-        import ray
-
-        return ray.get(self.workers.call(0, "versions"))
+        # through get(): an actor that died since the last scoring (it can, between two calls) is
+        # replaced and asked again, as a scoring call would be, instead of failing the run
+        return self.workers.get([self.workers.call(0, "versions")], "versions", [()])[0]
 
     def stats(self) -> dict[str, float]:
         return {"reward/worker_restarts": float(self.workers.restarts)}
