@@ -77,7 +77,15 @@ def test_a_reward_actor_that_died_between_calls_is_replaced_for_the_version_chec
     reward = RayReward(cfg)
     try:
         before = reward.versions()
-        ray.kill(reward.workers.actors[0])
+        actor = reward.workers.actors[0]
+        ray.kill(actor)  # asynchronous: wait until a call on it fails, so the next one meets a dead actor
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                ray.get(actor.versions.remote())
+                time.sleep(0.05)
+            except ray.exceptions.RayActorError:
+                break
         assert reward.versions() == before and reward.workers.restarts == 1
     finally:
         reward.close()
