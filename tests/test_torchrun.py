@@ -60,11 +60,13 @@ def one_process(base_model, tmp_path_factory):
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_processes_train_the_same_weights_as_one(strategy, base_model, one_process, tmp_path):
     run = tmp_path / strategy
-    out = torchrun(run, base_model, "train.steps=3", f"distributed.strategy={strategy}", "checkpoint.every=2")
+    colocate = ["distributed.colocate=true"] if strategy == "ddp" else []  # refused with fsdp (test below)
+    out = torchrun(run, base_model, "train.steps=3", f"distributed.strategy={strategy}", "checkpoint.every=2", *colocate)
     assert out.returncode == 0, out.stderr[-3000:]
     # rank 0 alone wrote the run directory: one metrics row per step, the same rewards as one process
     rows, ref = read_jsonl(run / "metrics.jsonl"), read_jsonl(one_process / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(("memory/update_peak_mb" in r) == bool(colocate) for r in rows)  # colocated ranks measure phases
     assert [r["reward/mean"] for r in rows] == [r["reward/mean"] for r in ref]
     assert [r["response_length/mean"] for r in rows] == [r["response_length/mean"] for r in ref]
     for key in ("loss", "kl", "grad_norm", "entropy"):
@@ -85,6 +87,13 @@ def test_batches_that_do_not_split_over_the_ranks_are_refused(base_model, tmp_pa
     out = torchrun(tmp_path / "r", base_model, "rollout.global_batch_size=12", "train.global_minibatch_size=12")
     assert out.returncode != 0
     assert "3 prompts per step cannot be split evenly under torchrun with 2 processes" in out.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_colocate_with_fsdp_is_refused_before_anything_is_written(base_model, tmp_path):
+    out = torchrun(tmp_path / "r", base_model, "distributed.strategy=fsdp", "distributed.colocate=true")
+    assert out.returncode != 0
+    assert "distributed.colocate with distributed.strategy=fsdp: not supported yet" in out.stderr
     assert not (tmp_path / "r").exists()
 
 
