@@ -14,6 +14,8 @@ Data parallelism itself (DDP / FSDP2 around the trained model, collectives) is r
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 
 def place(cfg, d, modality, reward, data, prompts, start_step: int):
     """(reward, rollout source) of the run: in this process, split over torchrun ranks, or on Ray actors."""
@@ -25,3 +27,20 @@ def place(cfg, d, modality, reward, data, prompts, start_step: int):
     from regen.rewards.sharded import ShardedReward
 
     return (ShardedReward(reward, d) if d.on else reward), LocalRollouts(modality, data, prompts, cfg, d)
+
+
+@contextmanager
+def released_on_error(rollout, reward):
+    """A run that fails in its loop stops its workers before the error goes on: Ray actors are
+    named, and ones left behind would keep the next run in this process (a notebook, the tests)
+    from starting its own. Local placements have nothing to stop."""
+    try:
+        yield
+    except BaseException:
+        for release in (rollout.close, getattr(reward, "close", None)):
+            try:
+                if release is not None:
+                    release()
+            except Exception:  # the original error is the one to report
+                pass
+        raise

@@ -27,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from regen.errors import UserError
+from regen.placement import released_on_error
 from regen.placement.checks import which_loop
 from regen.runtime import dist as rdist
 from regen.runtime.metrics import nanmean
@@ -60,7 +61,7 @@ def train(cfg, resume: bool = False, force: bool = False) -> dict:
         run.log.log(0, summary["eval_before"])
     with StepProgress(cfg.train.steps, run.start_step, cfg.log.progress, cfg.log.every, run_label(cfg),
                       cfg.log.every_s) as bar, \
-            GracefulStop(bar.print) as stop, run.workers_released_on_error():
+            GracefulStop(bar.print) as stop, released_on_error(run.rollout, run.reward):
         run.alerts.echo = bar.print  # alerts go above the live bar, not through it
         if summary["eval_before"]:
             bar.print("held-out before training: " + "  ".join(

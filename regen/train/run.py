@@ -12,7 +12,6 @@ books are kept here.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -330,22 +329,6 @@ class Run:
         path = self.run_dir / "metrics.jsonl"
         rows = read_rows(path)[0] if path.exists() else []
         return any(r["step"] == step and any(k.startswith("eval/") for k in r) for r in rows)
-
-    @contextmanager
-    def workers_released_on_error(self):
-        """A run that fails in its loop stops its Ray actors before the error goes on: they are
-        named, and ones left behind would keep the next run in this process (a notebook, the
-        tests) from starting its own."""
-        try:
-            yield
-        except BaseException:
-            for release in (self.rollout.close, getattr(self.reward, "close", None)):
-                try:
-                    if release is not None:
-                        release()
-                except Exception:  # the original error is the one to report
-                    pass
-            raise
 
     def close(self) -> None:
         self.log.close()
