@@ -41,6 +41,13 @@ def _per_sample_mean(x: torch.Tensor) -> torch.Tensor:
     return x.flatten(1).mean(1) if x.dim() > 1 else x
 
 
+def velocity_drift(v: torch.Tensor, v_ref: torch.Tensor) -> torch.Tensor:
+    """(B,) mean over elements of (v - sg(v_ref))^2: the velocity-space KL to a reference or anchor
+    that nft, awm and dgpo add to their losses (the KL between two flows' Gaussian steps is
+    proportional to it; gradient through v only)."""
+    return _per_sample_mean((_hi(v) - _hi(v_ref).detach()).pow(2))
+
+
 def _sample_mean(per_sample: torch.Tensor, valid: torch.Tensor, denoms: dict[str, float] | None) -> torch.Tensor:
     # torch.where, not a product with the mask: a NaN/inf in an excluded sample must not leak
     per_sample = torch.where(valid, per_sample, torch.zeros_like(per_sample))
@@ -277,7 +284,7 @@ def nft_loss(
             "valid_frac": vf.mean(),
         }
     if v_ref is not None and kl_coef > 0:
-        drift = _per_sample_mean((v - _hi(v_ref).detach()).pow(2))
+        drift = velocity_drift(v, v_ref)
         loss = loss + kl_coef * _sample_mean(drift, valid, denoms)
         metrics["loss"] = loss.detach()
         metrics["kl"] = masked_mean(drift.detach(), valid.to(drift.dtype))
@@ -363,7 +370,7 @@ def awm_loss(
                                 c, c, "token-mean", denoms=d)
         metrics.update(clip_frac=m["clip_frac"], ratio_mean=m["ratio_mean"])
     if v_anchor is not None and anchor_coef > 0:
-        drift = _per_sample_mean((v - _hi(v_anchor).detach()).pow(2))
+        drift = velocity_drift(v, v_anchor)
         loss = loss + anchor_coef * _sample_mean(drift, valid, denoms)
         metrics["anchor_kl"] = masked_mean(drift.detach(), valid.to(fm.dtype))
     with torch.no_grad():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from regen.algorithms.flow import Metrics, _hi, _per_sample_mean, _sample_mean
+from regen.algorithms.flow import Metrics, _hi, _sample_mean, velocity_drift
 from regen.algorithms.losses import LOG_RATIO_CLAMP, masked_mean
 
 # ---------------------------------------------------------------- reward forms
@@ -120,7 +120,7 @@ def dgpo_loss(fm: torch.Tensor, adv: torch.Tensor, weights: torch.Tensor, valid:
     loss = _sample_mean(w * a * trained, valid, denoms)
     metrics: Metrics = {}
     if v_ref is not None:
-        drift = _per_sample_mean((_hi(v) - _hi(v_ref).detach()).pow(2))
+        drift = velocity_drift(v, v_ref)
         metrics["kl"] = _sample_mean(drift.detach(), valid, denoms)
         if kl_coef > 0:
             loss = loss + kl_coef * _sample_mean(drift, valid, denoms)
