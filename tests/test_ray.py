@@ -183,6 +183,64 @@ def test_a_batch_staler_than_the_bound_is_sampled_again(base_model, tmp_path):
         pool.close()
 
 
+def test_syncs_send_only_changed_tensors_and_a_replaced_actor_rebuilds_the_weights_from_the_chain(base_model, tmp_path):
+    """distributed.sync_changed_only (the default): each sync sends the tensors that moved; a new
+    actor loads every bucket that still holds a current tensor (tests/test_sync_pack.py has the
+    bookkeeping). Checked here through what actors sample with: their log-probs are the trainer's."""
+    from regen.config import RLConfig, load_config
+    from regen.data import EpochSampler, load_prompts
+    from regen.modalities.lm import LMModality
+    from regen.placement.ray import RayRollouts
+    from regen.runtime.dist import Dist
+
+    cfg = load_config(RLConfig, None, [f"model.path={base_model}", *LEARN, *RAY, "distributed.max_staleness=1"])
+    m = LMModality(cfg, torch.device("cpu"), Dist())
+    prompts = load_prompts(cfg.data.train, cfg.task, "data.train", False, cfg.data.columns)
+    pool = RayRollouts(m, EpochSampler(len(prompts), 0), prompts, cfg, version=0)
+    params = dict(m.policy.model.named_parameters())
+    moved = ["transformer.h.0.mlp.c_fc.weight", "transformer.h.1.attn.c_attn.weight"]
+    try:
+        sent = []
+        for version, name in enumerate(moved, start=1):  # one tensor moves per version
+            with torch.no_grad():
+                params[name].add_(0.05)
+            sent.append(pool.sync(version))
+        n = len({t.data_ptr() for t in m.policy.model.state_dict().values()})  # tied tensors count once
+        assert [r["sync/tensors"] for r in sent] == [1.0, 1.0] and sent[0]["sync/unchanged"] == n - 1
+        assert sent[0]["sync/mb"] == pytest.approx(params[moved[0]].numel() * 4 / 1e6)
+        gen = torch.Generator().manual_seed(0)
+        ray.kill(pool.workers.actors[0], no_restart=True)  # its replacement starts from model.path
+        _, items, plan, refs, _, version = pool._submit(3, gen)
+        batch = pool._collect(items, plan, refs, version)
+        assert pool.workers.restarts == 1 and batch.version.tolist() == [2] * 32
+        # both actors' sampling log-probs (the replaced one's included: rows 0-15) are the trainer's:
+        # each holds both moved tensors (a replacement that loaded only the last sync lacks the first)
+        mask = batch.response_mask.bool()
+        torch.testing.assert_close(batch.behaviour_logp[mask], m.policy.token_logprobs(batch, 1.0)[0][mask],
+                                   atol=1e-5, rtol=1e-5)
+    finally:
+        pool.close()
+
+
+def test_a_vlm_on_rollout_actors_gets_its_frozen_vision_tower_once(vlm_base, tmp_path):
+    from safetensors.torch import load_file
+
+    from tests.conftest import VLM_FAST
+
+    args = ["train", f"model.path={vlm_base}", *VLM_FAST, "train.steps=3", "data.eval=null"]
+    one, spread = tmp_path / "one", tmp_path / "ray"
+    assert main([*args, f"run.dir={one}"]) == 0
+    assert main([*args, f"run.dir={spread}", *RAY]) == 0
+    rows, ref = read_jsonl(spread / "metrics.jsonl"), read_jsonl(one / "metrics.jsonl")
+    assert [r["reward/mean"] for r in rows] == [r["reward/mean"] for r in ref]  # the actors sample what one process does
+    weights = load_file(f"{vlm_base}/model.safetensors")
+    vision = [k for k in weights if "vision_tower" in k]
+    vision_mb = sum(weights[k].numel() * weights[k].element_size() for k in vision) / 1e6
+    all_mb = sum(t.numel() * t.element_size() for t in weights.values()) / 1e6
+    assert vision and all(r["sync/unchanged"] >= len(vision) for r in rows)  # sent at the start only
+    assert all(r["sync/mb"] <= all_mb - vision_mb + 1e-6 for r in rows), (rows[0]["sync/mb"], all_mb, vision_mb)
+
+
 @pytest.mark.parametrize("algo", ["flow_grpo"])  # SDE steps: the most noise per sample to get right
 def test_flow_models_on_rollout_actors_sample_what_one_process_does(algo, flow_base, tmp_path):
     args = [f"model.path={flow_base}", f"algorithm.name={algo}", "data.train=builtin:shapes:train", "data.eval=null",

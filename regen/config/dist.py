@@ -77,6 +77,12 @@ class DistributedConfig(Section):
         "exactly the trainer's (a Ray run samples what one process samples). bfloat16: half the bytes; the actors "
         "sample with the weights rounded to bf16 (the loss still uses the trainer's own log-probs)."
     )
+    sync_changed_only: bool = Field(
+        True, description="ray: send only the tensors whose value (after the cast to sync_dtype) differs from what "
+        "the last sync sent: frozen parts (a VLM's vision tower, a frozen joint member) and, in bf16, weights an update "
+        "moved less than bf16's resolution travel once. Exact (actors end with the weights a full sync gives); costs "
+        "a copy of the synced weights, in sync_dtype, in the trainer's CPU memory. false: every tensor every sync."
+    )
     sync_bucket_mb: float = Field(
         512.0, gt=0, description="ray: most MB of weights in one object-store object; an actor loads one bucket at "
         "a time, so it holds at most this much beside its model while it takes new weights."

@@ -92,7 +92,7 @@ ONLINE = [
     *_when("with distributed.mode=ray and trainer_workers=1 (a trainer group samples and scores on its trainers)",
            _ray_actors, "distributed.rollout_workers", "distributed.reward_workers", "distributed.rollout_resources",
            "distributed.reward_resources", "distributed.max_staleness", "distributed.actor_threads",
-           "distributed.sync_dtype", "distributed.sync_bucket_mb"),
+           "distributed.sync_dtype", "distributed.sync_bucket_mb", "distributed.sync_changed_only"),
 ]
 
 # What every method of a modality reads.

@@ -4,10 +4,12 @@ actors placed by `distributed.*_resources` (whole nodes, GPUs, or custom node la
 - Rollout: each step's groups are split over the rollout actors; each gets its prompts and
   its rows of the step's plan (the uniforms or noise drawn here from the run's generator), so
   the batch is the one a single process would sample with the same weights (any modality).
-- Sync: after each update the trainer's weights (for LoRA: the adapter's tensors only) go to
-  the object store once, in buckets (distributed.sync_bucket_mb, cast to distributed.sync_dtype),
-  and every actor loads them bucket by bucket, tagged with the version (= step). Ray runs
-  an actor's calls in order, so a sample call made after a sync sees the new weights.
+- Sync: after each update the trainer's weights (for LoRA: the adapter's tensors only; with
+  distributed.sync_changed_only, those that changed) go to the object store once, in buckets
+  (distributed.sync_bucket_mb, cast to distributed.sync_dtype), and every actor loads them bucket
+  by bucket, tagged with the version (= step). Ray runs an actor's calls in order, so a sample
+  call made after a sync sees the new weights; a replaced actor loads the chain of buckets that
+  holds every current tensor (regen/placement/sync.py).
 - Staleness: with `max_staleness` k >= 1 the next batch is requested before the update (it
   overlaps the update); a batch whose oldest weights lag more than k versions is thrown away
   and sampled again with the current ones.
@@ -27,7 +29,7 @@ from regen.data import EpochSampler, PromptItem
 from regen.errors import RunStopped, UserError
 from regen.placement.local import group_rows
 from regen.placement.ray_workers import RewardWorker, RolloutWorker
-from regen.placement.sync import nbytes, pack
+from regen.placement.sync import Chain, Packer, nbytes
 
 
 def start_ray(cfg) -> None:
@@ -126,20 +128,20 @@ class ActorGroup:
                         self.on_new(self.actors[i])  # queued after the call: Ray runs an actor's calls in order
         return out
 
-    def push(self, state: dict[str, torch.Tensor], version: int, dtype: torch.dtype, bucket_mb: float):
+    def push(self, state: dict[str, torch.Tensor], version: int, packer: Packer):
         """Put weights in the object store once (in buckets, see regen/placement/sync.py) and have
         every actor load them with `version`; not awaited: Ray runs an actor's calls in order, so
-        its next sample sees them. Returns the buckets' object references (for replacements) and
-        the sync metrics."""
+        its next sample sees them. Returns the buckets, their object references and the metrics."""
         import ray
 
         t0 = time.perf_counter()
-        buckets = pack(state, dtype, int(bucket_mb * 1e6))
+        buckets = packer.pack(state)
         refs = [ray.put(b) for b in buckets]
         for i in range(len(self.actors)):
             self.call(i, "load_weights", refs, version)
-        return refs, {"sync/s": time.perf_counter() - t0, "sync/mb": nbytes(buckets) / 1e6,
-                      "sync/buckets": float(len(buckets))}
+        return buckets, refs, {"sync/s": time.perf_counter() - t0, "sync/mb": nbytes(buckets) / 1e6,
+                               "sync/buckets": float(len(buckets)), "sync/tensors": float(sum(map(len, buckets))),
+                               "sync/unchanged": float(packer.skipped)}
 
     def close(self) -> None:
         import ray
@@ -161,7 +163,9 @@ class RayRollouts:
         self.workers = ActorGroup(RolloutWorker, d.rollout_workers, d.rollout_resources,
                                   (for_actors(cfg), d.actor_threads), "regen-rollout", d.max_restarts,
                                   on_new=lambda a: ray.get(a.load_weights.remote(self._weights, self.version)))
-        self._weights = None
+        self._weights = None  # the object references a new actor loads, in order, for the current weights
+        self._packer = Packer(getattr(torch, d.sync_dtype), int(d.sync_bucket_mb * 1e6), d.sync_changed_only)
+        self._chain = Chain()
         self._by_version: dict[int, object] = {}  # the recent versions' weights, for replaced actors
         self._ahead = None  # (step, items, plan, refs, data and generator state before them, version)
         self._lag = self.discarded = 0
@@ -189,9 +193,8 @@ class RayRollouts:
         return items, batch
 
     def sync(self, step: int) -> dict[str, float]:
-        d = self.cfg.distributed
-        self._weights, metrics = self.workers.push(self.m.sync_state(), step, getattr(torch, d.sync_dtype),
-                                                   d.sync_bucket_mb)
+        buckets, refs, metrics = self.workers.push(self.m.sync_state(), step, self._packer)
+        self._weights = self._chain.add(refs, buckets)
         self.version = step
         self._by_version = {v: w for v, w in self._by_version.items() if v >= step - self.bound} | {step: self._weights}
         return metrics
