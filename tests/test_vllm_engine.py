@@ -38,3 +38,49 @@ def test_token_lists_become_the_rollout_regens_sampler_builds(base_model):
     lp_own, _ = policy.token_logprobs(ro, 1.0)
     m = built.response_mask.bool()
     torch.testing.assert_close(lp_built[m], lp_own[:, :T][m])
+
+
+class Target:
+    """A stand-in for vLLM's model: records what load_weights got."""
+
+    def __init__(self):
+        self.got = None
+
+    def load_weights(self, weights):
+        self.got = dict(weights)
+
+
+def nest(path: str, leaf):
+    """An object with `leaf` at the dotted `path` (each level a plain namespace)."""
+    from types import SimpleNamespace
+
+    obj = leaf
+    for part in reversed(path.split(".")):
+        obj = SimpleNamespace(**{part: obj})
+    return obj
+
+
+def test_the_weights_reach_vllms_model_wherever_its_version_keeps_it():
+    import pytest
+
+    from regen.errors import UserError
+    from regen.placement.vllm import MODEL_PATHS, push_weights
+
+    weights = {"w": torch.ones(2), "b": torch.zeros(1)}
+    for path in MODEL_PATHS:  # each engine generation's place, alone
+        target = Target()
+        assert push_weights(nest(path, target), iter(weights.items())) == path
+        assert target.got.keys() == weights.keys() and torch.equal(target.got["w"], weights["w"])
+
+    class Remote:  # workers in other processes: the tensors go through collective_rpc to each worker's model
+        def __init__(self):
+            self.worker = nest("model_runner.model", Target())
+
+        def collective_rpc(self, fn, args=()):
+            return [fn(self.worker, *args)]
+
+    llm = Remote()
+    assert push_weights(llm, iter(weights.items())) == "collective_rpc"
+    assert llm.worker.model_runner.model.got.keys() == weights.keys()
+    with pytest.raises(UserError, match="neither its model in-process"):
+        push_weights(object(), iter(weights.items()))

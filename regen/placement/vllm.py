@@ -12,6 +12,7 @@ place (LoRA: merged first). `rollout.vllm_memory` leaves room for training on th
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 
@@ -21,6 +22,7 @@ from regen.policies.lm import LMRollout
 
 class VLLMEngine:
     def __init__(self, cfg, policy):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # V1: its model in this process (MODEL_PATHS)
         try:
             import vllm
         except ImportError:
@@ -74,15 +76,42 @@ class VLLMEngine:
     def load_weights(self, policy, step: int) -> dict[str, float]:
         """Copy the trained weights into vLLM's model (the in-process path TRL's colocate mode uses)."""
         model = copy.deepcopy(policy.model).merge_and_unload() if policy.is_lora else policy.model
-        try:
-            target = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
-        except AttributeError:
-            raise UserError("rollout.engine=vllm: this vLLM version does not expose its model in-process "
-                            "(llm_engine.model_executor.driver_worker); pin a vLLM that does, or use the hf engine"
-                            ) from None
-        target.load_weights(model.state_dict().items())
+        push_weights(self.llm, model.state_dict().items())
         self.llm.reset_prefix_cache()  # cached prompt states were computed with the old weights
         return {}
+
+
+# Where vLLM keeps its model in this process, by engine generation (vLLM moves it between
+# releases): V0, V0's worker wrapper, and V1 with its engine core in-process
+# (VLLM_ENABLE_V1_MULTIPROCESSING=0, which VLLMEngine sets unless the environment already does).
+MODEL_PATHS = ("llm_engine.model_executor.driver_worker.model_runner.model",
+               "llm_engine.model_executor.driver_worker.worker.model_runner.model",
+               "llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.model")
+
+
+def push_weights(llm, weights) -> str:
+    """Load (name, tensor) pairs into vLLM's model through its own `load_weights` (which maps
+    Hugging Face names onto its fused layers); returns how it got there. Where no known path holds
+    the model (a vLLM that runs its workers in other processes) the tensors go to every worker
+    through `LLM.collective_rpc`, which pickles them: slower, but still correct."""
+    for path in MODEL_PATHS:
+        target = llm
+        for part in path.split("."):
+            target = getattr(target, part, None)
+            if target is None:
+                break
+        if target is not None:
+            target.load_weights(weights)
+            return path
+    if hasattr(llm, "collective_rpc"):
+        llm.collective_rpc(_load_in_worker, args=(list(weights),))
+        return "collective_rpc"
+    raise UserError("rollout.engine=vllm: this vLLM version exposes neither its model in-process ("
+                    + ", ".join(MODEL_PATHS) + ") nor LLM.collective_rpc; pin a vLLM that does, or use the hf engine")
+
+
+def _load_in_worker(worker, weights) -> None:
+    worker.model_runner.model.load_weights(weights)
 
 
 def build_rollout(prompt_ids: list[list[int]], responses: list[list[int]], texts: list[str], pad_id: int,
