@@ -4,7 +4,7 @@ loading them (an actor that took every sync, and a new one that loads the chain)
 
 import torch
 
-from regen.placement.sync import Chain, Packer, nbytes, pack
+from regen.placement.sync import Chain, Packer, nbytes
 
 
 class Tied(torch.nn.Module):
@@ -17,6 +17,11 @@ class Tied(torch.nn.Module):
         self.out = torch.nn.Linear(4, 10, bias=False)
         self.out.weight = self.emb.weight  # tied: one storage, two names
         self.register_buffer("steps", torch.tensor([7, 8, 9], dtype=torch.int64))  # 3 x 8 bytes
+
+
+def pack(state, dtype, bucket_bytes):
+    """One full sync (every tensor)."""
+    return Packer(dtype, bucket_bytes, changed_only=False).pack(state)
 
 
 def fresh(seed: int) -> Tied:

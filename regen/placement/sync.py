@@ -62,11 +62,6 @@ class Packer:
         return buckets if buckets[0] else []
 
 
-def pack(state: dict[str, torch.Tensor], dtype: torch.dtype, bucket_bytes: int) -> list[dict[str, torch.Tensor]]:
-    """One full sync (every tensor): see Packer.pack."""
-    return Packer(dtype, bucket_bytes, changed_only=False).pack(state)
-
-
 class Chain:
     """The buckets a new actor loads, in order, to hold the current weights after delta syncs:
     each bucket sent, with the names it holds whose latest value it still carries; a bucket left
