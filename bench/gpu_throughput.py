@@ -22,6 +22,9 @@ the peak memory the loop reached can be read afterwards:
 - `lm_vllm`: colocated with `rollout.engine=vllm` (`rollout.vllm_memory=0.3`): the in-process vLLM engine
   sleeps (level 1) for each update and wakes to take the new weights. Skipped with a line when vLLM is
   not installed. Exercises regen/placement/vllm.py, which no CPU test can.
+- `lm_vllm_ray`: `distributed.mode=ray` with the vLLM engine on one rollout actor that shares the GPU
+  (`rollout_resources` num_gpus 0.4), weights synced in bf16 buckets after every update; its row adds the
+  median `sync/s` and `sync/mb`. Skipped with a line when vLLM or Ray is not installed.
 - `nft`, `flow_grpo`: DiffusionNFT and Flow-GRPO on a randomly initialised SD3-style flow model
   (regen's `SD3FlowPolicy`: diffusers `SD3Transformer2DModel`, 16 joint blocks x width 1024, 16 heads
   of 64, 2x2 patches; 596M trained parameters, against SD3-medium's 24 x 1536, 2B) over 16-channel
@@ -49,7 +52,7 @@ stops after its current step once --part-limit seconds (default 150) have passed
 
 Run from the repository root with the project's virtualenv:
 
-    python bench/gpu_throughput.py --only lm,lm_colocate,lm_vllm --out /tmp/gpu_lm.json   # GPU: the LM parts
+    python bench/gpu_throughput.py --only lm,lm_colocate,lm_vllm,lm_vllm_ray --out /tmp/gpu_lm.json   # GPU: the LM parts
     python bench/gpu_throughput.py --only flow --out /tmp/gpu_flow.json                   # GPU: the flow parts
     python bench/gpu_throughput.py --only lm --steps 20 --lm-batch 128    # one part, other sizes
     python bench/gpu_throughput.py --tiny --out /tmp/gt.json              # CPU smoke test, ~10 s on 2 cores
@@ -118,12 +121,17 @@ SD3_MEDIUM = dict(
     text_len=77,
     joint=512,
 )
-PARTS = ("lm", "lm_colocate", "lm_vllm", "nft", "flow_grpo")
+PARTS = ("lm", "lm_colocate", "lm_vllm", "lm_vllm_ray", "nft", "flow_grpo")
 # the language-model parts: the same GRPO run, alone, colocated (distributed.colocate: AdamW state parked in CPU
 # memory while sampling, each phase's peak logged), and colocated with an in-process vLLM engine put to sleep
 # for every update (skipped with a line where vLLM is not installed)
 LM_PARTS = {"lm": [], "lm_colocate": ["distributed.colocate=true"],
-            "lm_vllm": ["distributed.colocate=true", "rollout.engine=vllm", "rollout.vllm_memory=0.3"]}
+            "lm_vllm": ["distributed.colocate=true", "rollout.engine=vllm", "rollout.vllm_memory=0.3"],
+            # vLLM on one Ray rollout actor sharing the GPU (0.4 of it for Ray's books, 0.3 of its memory for
+            # vLLM's), the trainer in this process; bf16 sync in 256 MB buckets: sync/s and sync/mb in its row
+            "lm_vllm_ray": ["distributed.mode=ray", "distributed.rollout_workers=1", "distributed.reward_workers=1",
+                            "distributed.rollout_resources={num_gpus: 0.4, num_cpus: 1}", "rollout.engine=vllm",
+                            "rollout.vllm_memory=0.3", "distributed.sync_dtype=bfloat16"]}
 COLOURS, SHAPES, POSITIONS = (
     ("red", "green", "blue", "yellow", "white"),
     ("circle", "square", "triangle"),
@@ -264,6 +272,9 @@ def figures(rows: list[dict], warmup: int, per_step) -> dict:
         # distributed.colocate: each phase's own peak (CUDA allocator; CPU: peak resident set), max over the steps
         **{f"{ph}_peak_mib": max(r[f"memory/{ph}_peak_mb"] for r in kept)
            for ph in ("sample", "update") if all(f"memory/{ph}_peak_mb" in r for r in kept)},
+        # Ray rollout actors: what each weight sync cost (seconds to pack and put, MB sent)
+        **{f"sync_{k}_median": statistics.median(r[f"sync/{k}"] for r in kept)
+           for k in ("s", "mb") if all(f"sync/{k}" in r for r in kept)},
     }
 
 
@@ -412,9 +423,11 @@ def main() -> None:
             build_s = time.perf_counter() - t0
             label = "Qwen2 random (tiny)" if a.tiny else "Qwen2.5-0.5B shape, rand"
         for part in lm_parts:
-            if part == "lm_vllm" and importlib.util.find_spec("vllm") is None:
-                print(f"\n== {part}: skipped, vLLM is not installed (pip install vllm in this environment)", flush=True)
-                results.append({"part": part, "error": "vLLM not installed", "skipped": True})
+            missing = [m for m in ("vllm", "ray")[: 1 + (part == "lm_vllm_ray")] if importlib.util.find_spec(m) is None]
+            if part.startswith("lm_vllm") and missing:
+                print(f"\n== {part}: skipped, {' and '.join(missing)} not installed (pip install in this environment)",
+                      flush=True)
+                results.append({"part": part, "error": f"{', '.join(missing)} not installed", "skipped": True})
                 save()
                 continue
             print(

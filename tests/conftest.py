@@ -224,3 +224,29 @@ def sigkill_after_checkpoint(proc, run: Path, step: int, timeout_s: float = 300.
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, "the process ended before the moment it was to be killed at"
+
+
+STAND_IN_VLLM = Path(__file__).parent / "stand_in_vllm"
+
+
+@pytest.fixture
+def stand_in_vllm(tmp_path, monkeypatch) -> Path:
+    """tests/stand_in_vllm first on the path (of this process and of Ray actors started after):
+    `import vllm` finds the stand-in; returns the folder where its engines log what they did."""
+    import os
+    import sys
+
+    log = tmp_path / "vllm_log"
+    log.mkdir()
+    monkeypatch.syspath_prepend(str(STAND_IN_VLLM))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(STAND_IN_VLLM), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("STAND_IN_VLLM_LOG", str(log))
+    yield log
+    for name in [k for k in sys.modules if k == "vllm" or k.startswith("vllm.")]:
+        del sys.modules[name]  # later tests see no vLLM again
+
+
+def vllm_engines(log: Path) -> dict[str, tuple[list[str], dict]]:
+    """Each stand-in engine (by process id): the calls it logged, and its weights after its last load."""
+    return {p.stem: (p.read_text().splitlines(), torch.load(p.with_suffix(".pt")) if p.with_suffix(".pt").exists()
+                     else {}) for p in sorted(log.glob("*.log"))}

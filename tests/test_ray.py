@@ -1,5 +1,6 @@
 """distributed.mode=ray on a private local Ray: 2 rollout actors, 1 reward actor and the trainer."""
 
+import os
 import shutil
 import threading
 import time
@@ -292,6 +293,33 @@ def test_lora_runs_send_only_the_adapter(base_model, tmp_path):
     full_mb = sum(t.numel() * t.element_size() for t in load_file(str(base_model / "model.safetensors")).values()) / 1e6
     adapter_mb = rows[0]["sync/mb"]
     assert 0 < adapter_mb < full_mb / 5, (adapter_mb, full_mb)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_vllm_on_rollout_actors_samples_what_vllm_in_one_process_does(lora, base_model, tmp_path, stand_in_vllm):
+    """rollout.engine=vllm on each rollout actor (tests/stand_in_vllm: vLLM's interface on the
+    CPU): full weights go bucket by bucket into the engine, a LoRA adapter merged; the actors draw
+    the batches one process's engine draws, and end holding the same weights."""
+    from tests.conftest import vllm_engines
+
+    ray.shutdown()  # a Ray started before the stand-in was on PYTHONPATH would not give it to the actors
+    args = [f"model.path={base_model}", *LEARN, "train.steps=3", "rollout.global_batch_size=16", "rollout.engine=vllm",
+            *(["model.lora={r: 4, alpha: 8}", "optim.lr=1e-3"] if lora else [])]
+    one, spread = tmp_path / "one", tmp_path / "ray"
+    try:
+        assert main(["train", *args, f"run.dir={one}"]) == 0
+        assert main(["train", *args, f"run.dir={spread}", *RAY]) == 0
+    finally:
+        ray.shutdown()  # later tests start a Ray without the stand-in
+    rows, ref = read_jsonl(spread / "metrics.jsonl"), read_jsonl(one / "metrics.jsonl")
+    assert [r["reward/mean"] for r in rows] == [r["reward/mean"] for r in ref] and ref[-1]["grad_norm"] > 0
+    engines = vllm_engines(stand_in_vllm)
+    mine, last = engines.pop(str(os.getpid()))  # the one-process run's engine, here
+    assert len(engines) == 2 and mine.count("generate 2") == 3  # one per actor; 2 prompts per step
+    for calls, weights in engines.values():
+        assert calls[0] == "init tp=1 sleep_mode=False" and calls.count("generate 1") == 3  # 1 prompt each
+        assert len(weights) == len(last) and all(torch.equal(weights[k], v) for k, v in last.items())
+        assert calls[-2:] == [f"load {len(last)}" if lora else calls[-2], "reset"]  # LoRA: merged, every tensor
 
 
 def test_a_multi_task_run_on_actors_routes_each_tasks_reward_as_one_process_does(base_model, tmp_path):

@@ -84,3 +84,38 @@ def test_the_weights_reach_vllms_model_wherever_its_version_keeps_it():
     assert llm.worker.model_runner.model.got.keys() == weights.keys()
     with pytest.raises(UserError, match="neither its model in-process"):
         push_weights(object(), iter(weights.items()))
+
+
+SMALL = ["rollout.global_batch_size=16", "rollout.group_size=4", "rollout.max_new_tokens=4", "train.steps=3",
+         "data.eval=null", "log.progress=none", "log.tensorboard=false", "run.threads=1", "optim.lr=1e-3"]
+
+
+def test_vllm_in_the_trainers_process_sleeps_for_each_update_and_takes_its_weights(base_model, tmp_path,
+                                                                                  stand_in_vllm):
+    """regen/placement/vllm.py run for real against tests/stand_in_vllm (vLLM's interface on the CPU):
+    colocated, the engine samples each step, sleeps for the update, wakes and takes the new weights."""
+    from tests.conftest import export_weights, vllm_engines
+
+    run = tmp_path / "r"
+    assert main(["train", f"model.path={base_model}", f"run.dir={run}", "rollout.engine=vllm",
+                 "distributed.colocate=true", *SMALL]) == 0
+    [(calls, weights)] = vllm_engines(stand_in_vllm).values()
+    n = len(weights)
+    step = ["generate 4", "sleep 1", "wake", f"load {n}", "reset"]  # 4 prompts x group 4, then the update
+    assert calls == ["init tp=1 sleep_mode=True", f"load {n}", "reset", *step * 3]
+    final = {k.split(":", 1)[1]: v for k, v in export_weights(run).items()}
+    assert final and all(torch.equal(weights[k], v) for k, v in final.items())  # it samples with the trained weights
+
+
+def test_vllm_placements_that_cannot_work_are_refused_by_name(base_model, tmp_path, capsys):
+    base = ["train", f"model.path={base_model}", "rollout.engine=vllm", "log.progress=none", "distributed.mode=ray"]
+    cases = [(["distributed.max_staleness=1"], "max_staleness=1"),
+             (["rollout.vllm_tensor_parallel=2"], "rollout_resources.num_gpus is 0"),
+             (["distributed.trainer_workers=2"], "in a Ray trainer group")]
+    for i, (extra, words) in enumerate(cases):
+        run = tmp_path / f"r{i}"
+        assert main([*base, *extra, f"run.dir={run}"]) == 2
+        err = capsys.readouterr().err
+        assert "rollout.engine=vllm" in err or "rollout.vllm_tensor_parallel" in err
+        assert words in err, err
+        assert not (run / "checkpoints").exists()

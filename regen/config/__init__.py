@@ -88,6 +88,10 @@ class RolloutConfig(Section):
         0.3, gt=0.0, lt=1.0, description="rollout.engine=vllm: share of the GPU's memory vLLM may take (the rest "
         "is for training on the same GPU)."
     )
+    vllm_tensor_parallel: int = Field(
+        1, ge=1, description="rollout.engine=vllm: GPUs one vLLM engine shards the model over (tensor parallel); "
+        "on Ray rollout actors each actor needs that many (distributed.rollout_resources.num_gpus)."
+    )
 
 
 class AlgorithmConfig(Section):

@@ -99,6 +99,15 @@ class Modality:
         """Sampling in this process: hand the new weights to a separate engine (vLLM), if any."""
         return {}
 
+    def take_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """A rollout actor: one bucket of the trainer's tensors (sync_state's names) into its sampler."""
+        _, unexpected = self.trained.load_state_dict(state, strict=False)  # copy_ casts bf16 to the model's dtype
+        if unexpected:
+            raise ValueError(f"rollout worker: weights it does not have: {unexpected[:3]}")
+
+    def weights_taken(self) -> None:
+        """A rollout actor: every bucket of a sync is in (an engine may now refresh caches)."""
+
     # ---- 2. score
     def reward_samples(self, items, batch) -> list[Sample]:
         raise NotImplementedError

@@ -78,10 +78,16 @@ class LMModality(Modality):
             model, tok = load_model_and_tokenizer(cfg.model, cfg.task, cfg.run.seed)
             if cfg.model.lora is not None:
                 model = apply_lora(model, cfg.model.lora)  # the trainer sends the adapter
-            self.policy, self.critic, self.critic_opt = LMPolicy(model, tok, device), None, None
+            vllm = cfg.rollout.engine == "vllm"  # the actor's GPU is vLLM's; the transformers copy stays on the CPU
+            self.policy = LMPolicy(model, tok, torch.device("cpu") if vllm else device)
+            self.critic, self.critic_opt = None, None
             configure_prompts(self.policy, cfg)
             self.policy.model.eval()
             self.engine = self.policy
+            if vllm:
+                from regen.placement.vllm import VLLMEngine
+
+                self.engine = VLLMEngine(cfg, self.policy)
             return
         model, tok, reference = load_policy_model(cfg, state)
         self.policy = LMPolicy(model, tok, device, reference=reference)
@@ -130,7 +136,9 @@ class LMModality(Modality):
         """behaviour: also keep each token's log-prob under the sampling weights (rollout actors,
         for batches the trainer gets after its weights moved on)."""
         r = self.cfg.rollout
-        extra = {"with_logp": True} if behaviour else {}
+        # vLLM's log-probs come from its own kernels, not the trained model's: no behaviour terms from
+        # it (checks.py keeps max_staleness at 0 there, so the trainer's old log-probs are exact)
+        extra = {"with_logp": True} if behaviour and self.engine is self.policy else {}
         return self.engine.sample(prompts, n, r.temperature, r.top_p, r.max_new_tokens, None, uniforms=plan.u, **extra)
 
     def concat(self, parts: list[LMRollout]) -> LMRollout:
@@ -152,6 +160,22 @@ class LMModality(Modality):
         """A vLLM engine in this process takes the new weights; the policy itself needs nothing."""
         push = getattr(self.engine, "load_weights", None)
         return {} if push is None else push(self.policy, step)
+
+    def take_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """A rollout actor with vLLM: full weights go straight into the engine, bucket by bucket; a
+        LoRA adapter goes into the transformers copy, merged and pushed once every bucket is in."""
+        if self.engine is self.policy or self.policy.is_lora:
+            super().take_weights(state)
+        else:
+            self.engine.load_tensors(state)
+
+    def weights_taken(self) -> None:
+        if self.engine is self.policy:
+            return
+        if self.policy.is_lora:
+            self.engine.load_weights(self.policy, 0)  # merged copy, every tensor (it resets the prefix cache)
+        else:
+            self.engine.llm.reset_prefix_cache()  # cached prompt states were computed with the old weights
 
     # ------------------------------------------------------------------ 2. score
 

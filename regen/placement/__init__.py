@@ -7,7 +7,7 @@
   ray_workers.py  the actor classes
   ray_trainers.py distributed.trainer_workers > 1: a group of trainer actors (one process group,
                   DDP / FSDP2) placed and restarted by a thin driver
-  vllm.py         rollout.engine=vllm: a vLLM engine samples in the trainer's process
+  vllm.py         rollout.engine=vllm: a vLLM engine samples in the trainer's process or on a rollout actor
   checks.py       the combinations refused before anything is written
 Data parallelism itself (DDP / FSDP2 around the trained model, collectives) is regen/runtime/dist.py.
 """

@@ -60,11 +60,8 @@ def which_loop(cfg: RLConfig) -> str:
 def check_placement(cfg: RLConfig, d: rdist.Dist) -> None:
     """Refuse combinations that are not supported, before anything is written."""
     t = cfg.train
-    if cfg.distributed.mode == "ray" and cfg.rollout.engine == "vllm":
-        raise UserError("rollout.engine=vllm with distributed.mode=ray: not supported yet; use vllm in one process "
-                        "(colocated) or the hf engine on Ray rollout actors")
-    if d.on and cfg.rollout.engine == "vllm":
-        raise UserError("rollout.engine=vllm under torchrun: not supported yet; run vllm in one process")
+    if cfg.rollout.engine == "vllm":
+        check_vllm(cfg, d)
     if not d.on:
         return
     check_split(cfg, d)
@@ -85,3 +82,22 @@ def check_placement(cfg: RLConfig, d: rdist.Dist) -> None:
     if d.sharded and t.offload:
         raise UserError("distributed.strategy=fsdp with train.offload: FSDP2 already spreads the optimizer state "
                         "over the ranks; turn offload off")
+
+
+def check_vllm(cfg: RLConfig, d: rdist.Dist) -> None:
+    """Where a vLLM engine can sample: in one process, or on each Ray rollout actor."""
+    dc, tp = cfg.distributed, cfg.rollout.vllm_tensor_parallel
+    if d.on:
+        where = "in a Ray trainer group (distributed.trainer_workers > 1)" if dc.mode == "ray" else "under torchrun"
+        raise UserError(f"rollout.engine=vllm {where}: not supported yet; run vllm in one process, or on Ray "
+                        "rollout actors (distributed.mode=ray, trainer_workers=1)")
+    if dc.mode != "ray":
+        return
+    if dc.max_staleness > 0:
+        raise UserError(f"rollout.engine=vllm on Ray rollout actors with distributed.max_staleness={dc.max_staleness}: "
+                        "a late batch needs the sampling weights' log-probs, and vLLM's come from its own kernels, not "
+                        "the trained model's (not built); use max_staleness: 0")
+    gpus = dc.rollout_resources.get("num_gpus", 0)
+    if tp > 1 and gpus < tp:
+        raise UserError(f"rollout.vllm_tensor_parallel={tp}: each Ray rollout actor's engine needs {tp} GPUs, but "
+                        f"distributed.rollout_resources.num_gpus is {gpus:g}; set it to {tp}")

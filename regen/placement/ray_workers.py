@@ -38,10 +38,9 @@ class RolloutWorker:
 
         for part in buckets:
             state = part if isinstance(part, dict) else ray.get(part)
-            _, unexpected = self.m.trained.load_state_dict(state, strict=False)  # copy_ casts bf16 to the model's dtype
-            if unexpected:
-                raise ValueError(f"rollout worker: weights it does not have: {unexpected[:3]}")
+            self.m.take_weights(state)  # the sampler's model, or straight into a vLLM engine
             del state
+        self.m.weights_taken()
         self.version = version
         return version
 

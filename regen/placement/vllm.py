@@ -1,5 +1,7 @@
-"""`rollout.engine: vllm`: language-model sampling by vLLM in the trainer's process (colocated),
-imported only when asked for. Nothing in the tests needs vLLM; it needs a CUDA GPU.
+"""`rollout.engine: vllm`: language-model sampling by vLLM, in the trainer's process (colocated) or
+on each Ray rollout actor (`distributed.mode: ray`), imported only when asked for. CI has no vLLM:
+its tests run this file against a stand-in with vLLM's interface (tests/stand_in_vllm/); the real
+engine is exercised by bench/gpu_throughput.py on a GPU.
 
 vLLM draws its own random numbers, so the rows are not the ones regen's own sampler would
 draw from the step's uniforms: each request gets a seed taken from them instead (runs stay
@@ -28,8 +30,9 @@ class VLLMEngine:
         except ImportError:
             raise UserError("rollout.engine=vllm: vLLM is not installed (pip install 'regen[vllm]' in a CUDA "
                             "environment), or use rollout.engine=hf") from None
-        if not torch.cuda.is_available():
-            raise UserError("rollout.engine=vllm needs a CUDA GPU; use rollout.engine=hf on CPU")
+        if not torch.cuda.is_available() and not _vllm_on_cpu():
+            raise UserError("rollout.engine=vllm needs a CUDA GPU (or a CPU build of vLLM); use rollout.engine=hf "
+                            "on CPU")
         source = cfg.model.path
         if source is None:
             raise UserError("rollout.engine=vllm needs model.path (a Hugging Face folder or hub id vLLM can load)")
@@ -39,7 +42,8 @@ class VLLMEngine:
                                                  "float16": "float16"}[cfg.model.dtype],
                             gpu_memory_utilization=cfg.rollout.vllm_memory, seed=cfg.run.seed,
                             enable_prefix_caching=True,  # a group's n samples share their prompt
-                            enable_sleep_mode=cfg.distributed.colocate)  # sleep() / wake_up() between phases
+                            enable_sleep_mode=cfg.distributed.colocate,  # sleep() / wake_up() between phases
+                            tensor_parallel_size=cfg.rollout.vllm_tensor_parallel)
         self.asleep = False
         self.load_weights(policy, 0)
 
@@ -79,6 +83,22 @@ class VLLMEngine:
         push_weights(self.llm, model.state_dict().items())
         self.llm.reset_prefix_cache()  # cached prompt states were computed with the old weights
         return {}
+
+    def load_tensors(self, state: dict) -> None:
+        """Some of the model's tensors, by their Hugging Face names (a sync bucket on a rollout
+        actor): vLLM's loader maps them onto its fused layers, so a bucket need not hold a whole
+        layer. The caller resets the prefix cache once the last bucket is in."""
+        push_weights(self.llm, state.items())
+
+
+def _vllm_on_cpu() -> bool:
+    """vLLM built for the CPU (its platform says so); a CUDA build without a GPU is refused before it starts."""
+    import importlib
+
+    try:
+        return bool(importlib.import_module("vllm.platforms").current_platform.is_cpu())
+    except (ImportError, AttributeError):
+        return False
 
 
 # Where vLLM keeps its model in this process, by engine generation (vLLM moves it between
