@@ -37,6 +37,8 @@ MODES = {  # name: (started by torchrun, overrides); every process gets --thread
     "torchrun-ddp x2": (True, ["distributed.mode=torchrun", "distributed.strategy=ddp"]),
     "torchrun-fsdp x2": (True, ["distributed.mode=torchrun", "distributed.strategy=fsdp"]),
     "ray trainer group x2 (ddp)": (False, ["distributed.mode=ray", "distributed.trainer_workers=2"]),
+    "ray trainer group x2 + 2 rollout": (False, ["distributed.mode=ray", "distributed.trainer_workers=2",
+                                                 "distributed.group_sampling=actors", "distributed.rollout_workers=2"]),
     "ray 2 rollout + 1 reward": (False, RAY_ACTORS),
     "ray, max_staleness=1": (False, [*RAY_ACTORS, "distributed.max_staleness=1"]),
 }

@@ -295,12 +295,19 @@ def test_lora_runs_send_only_the_adapter(base_model, tmp_path):
     assert 0 < adapter_mb < full_mb / 5, (adapter_mb, full_mb)
 
 
-@pytest.mark.parametrize("lora", [False, True])
-def test_vllm_on_rollout_actors_samples_what_vllm_in_one_process_does(lora, base_model, tmp_path, stand_in_vllm):
+GROUP_ACTORS = ["distributed.mode=ray", "distributed.trainer_workers=2", "distributed.group_sampling=actors",
+                "distributed.rollout_workers=2"]
+
+
+@pytest.mark.parametrize("lora, placement", [(False, RAY), (True, RAY), (False, GROUP_ACTORS)],
+                         ids=["full", "lora", "trainer-group"])
+def test_vllm_on_rollout_actors_samples_what_vllm_in_one_process_does(lora, placement, base_model, tmp_path,
+                                                                      stand_in_vllm):
     """rollout.engine=vllm on each rollout actor (tests/stand_in_vllm: vLLM's interface on the
     CPU): full weights go bucket by bucket into the engine, a LoRA adapter merged; the actors draw
-    the batches one process's engine draws, and end holding the same weights."""
-    from tests.conftest import vllm_engines
+    the batches one process's engine draws, and end holding the same weights; the same when rank 0
+    of a trainer group (2 DDP actors) drives them."""
+    from tests.conftest import export_weights, vllm_engines
 
     ray.shutdown()  # a Ray started before the stand-in was on PYTHONPATH would not give it to the actors
     args = [f"model.path={base_model}", *LEARN, "train.steps=3", "rollout.global_batch_size=16", "rollout.engine=vllm",
@@ -308,17 +315,21 @@ def test_vllm_on_rollout_actors_samples_what_vllm_in_one_process_does(lora, base
     one, spread = tmp_path / "one", tmp_path / "ray"
     try:
         assert main(["train", *args, f"run.dir={one}"]) == 0
-        assert main(["train", *args, f"run.dir={spread}", *RAY]) == 0
+        assert main(["train", *args, f"run.dir={spread}", *placement]) == 0
     finally:
         ray.shutdown()  # later tests start a Ray without the stand-in
     rows, ref = read_jsonl(spread / "metrics.jsonl"), read_jsonl(one / "metrics.jsonl")
     assert [r["reward/mean"] for r in rows] == [r["reward/mean"] for r in ref] and ref[-1]["grad_norm"] > 0
     engines = vllm_engines(stand_in_vllm)
     mine, last = engines.pop(str(os.getpid()))  # the one-process run's engine, here
+    final = {k.split(":", 1)[1]: v for k, v in export_weights(spread).items()}
+    assert final and all(torch.equal(last[k], v) for k, v in
+                         {k.split(":", 1)[1]: v for k, v in export_weights(one).items()}.items())
     assert len(engines) == 2 and mine.count("generate 2") == 3  # one per actor; 2 prompts per step
     for calls, weights in engines.values():
         assert calls[0] == "init tp=1 sleep_mode=False" and calls.count("generate 1") == 3  # 1 prompt each
-        assert len(weights) == len(last) and all(torch.equal(weights[k], v) for k, v in last.items())
+        # each actor's engine ends with the trainer's weights, exactly (float32 sync)
+        assert len(weights) == len(last) and all(torch.equal(weights[k], v) for k, v in final.items())
         assert calls[-2:] == [f"load {len(last)}" if lora else calls[-2], "reset"]  # LoRA: merged, every tensor
 
 

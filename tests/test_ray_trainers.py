@@ -57,13 +57,33 @@ def test_two_trainer_actors_with_fsdp2_train_the_same_weights_as_one_process(bas
     same_run(run, one_process, base_model)
 
 
+ACTORS = ["distributed.group_sampling=actors", "distributed.rollout_workers=2"]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_trainer_group_whose_rollout_actors_sample_trains_what_one_process_trains(strategy, base_model, one_process,
+                                                                                  tmp_path):
+    """group_sampling=actors: rank 0 drives 2 rollout actors, every rank gets the batch; the weights
+    go to the actors gathered (FSDP2) after each update, so they sample what one process samples."""
+    run = tmp_path / "run"
+    ray.shutdown()  # a private Ray sized for this run's actors (an earlier one may have had room for 2 only)
+    assert group(run, base_model, f"distributed.strategy={strategy}", *ACTORS) == 0
+    same_run(run, one_process, base_model)
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert all(r["sync/mb"] > 0 and r["rollout/worker_restarts"] == 0 for r in rows)  # the actors sampled
+
+
 def trainer_pids() -> list[int]:
     return [p.pid for p in psutil.process_iter(["cmdline"])
             if any("TrainerWorker" in part for part in (p.info["cmdline"] or []))]
 
 
-def test_a_killed_trainer_actor_restarts_the_group_from_its_checkpoint(base_model, one_process, tmp_path, capsys):
+@pytest.mark.parametrize("sampling", ["ranks", "actors"])
+def test_a_killed_trainer_actor_restarts_the_group_from_its_checkpoint(sampling, base_model, one_process, tmp_path,
+                                                                      capsys):
     run, killed = tmp_path / "run", []
+    extra = ACTORS if sampling == "actors" else []  # actors: the new group's rank 0 starts new rollout actors
+    ray.shutdown()  # a private Ray sized for this run's actors (an earlier one may have had room for 2 only)
 
     def kill_after_step_2():  # SIGKILL one rank's process once step 2 (and its checkpoint) is on disk
         deadline = time.time() + 300
@@ -79,7 +99,7 @@ def test_a_killed_trainer_actor_restarts_the_group_from_its_checkpoint(base_mode
 
     watcher = threading.Thread(target=kill_after_step_2, daemon=True)
     watcher.start()
-    assert group(run, base_model, "checkpoint.every=2", "distributed.strategy=ddp") == 0
+    assert group(run, base_model, "checkpoint.every=2", "distributed.strategy=ddp", *extra) == 0
     watcher.join(1)
     assert killed, "the trainer actor was not killed: the test did not exercise the restart"
     assert "restarting it from the last checkpoint (restart 1 of 3)" in capsys.readouterr().err
@@ -119,6 +139,10 @@ def test_a_flow_model_trains_the_same_weights_in_a_trainer_group(flow_base, tmp_
     assert main(["train", *args, f"run.dir={one}", "distributed.mode=single"]) == 0
     assert main(["train", *args, f"run.dir={two}", *GROUP]) == 0
     assert_same_flow_training(two, one, flow_base)
+    three = tmp_path / "three"  # and with rank 0's rollout actors sampling
+    ray.shutdown()  # a private Ray sized for this run's actors
+    assert main(["train", *args, f"run.dir={three}", *GROUP, *ACTORS]) == 0
+    assert_same_flow_training(three, one, flow_base)
 
 def test_a_group_the_cluster_cannot_place_is_one_error_before_anything_is_written(base_model, tmp_path, capsys):
     run = tmp_path / "run"

@@ -111,7 +111,7 @@ def test_vllm_placements_that_cannot_work_are_refused_by_name(base_model, tmp_pa
     base = ["train", f"model.path={base_model}", "rollout.engine=vllm", "log.progress=none", "distributed.mode=ray"]
     cases = [(["distributed.max_staleness=1"], "max_staleness=1"),
              (["rollout.vllm_tensor_parallel=2"], "rollout_resources.num_gpus is 0"),
-             (["distributed.trainer_workers=2"], "in a Ray trainer group")]
+             (["distributed.trainer_workers=2"], "on the ranks of a Ray trainer group")]
     for i, (extra, words) in enumerate(cases):
         run = tmp_path / f"r{i}"
         assert main([*base, *extra, f"run.dir={run}"]) == 2

@@ -45,9 +45,17 @@ class DistributedConfig(Section):
     trainer_workers: int = Field(
         1, ge=1, description="ray: trainer actors. 1: the trainer is the process you started, with rollout and "
         "reward actors. N > 1: N actors form one process group (distributed.strategy ddp or fsdp) placed by a Ray "
-        "placement group, each sampling, scoring and training its share like a torchrun rank (no rollout or reward "
-        "actors); the process you started only places them, follows the run and restarts the group from the last "
-        "checkpoint when an actor dies (up to max_restarts times)."
+        "placement group, each scoring and training its share like a torchrun rank and sampling it too (or, with "
+        "group_sampling=actors, rank 0's rollout actors sample; no reward actors); the process you started only "
+        "places them, follows the run and restarts the group from the last checkpoint when an actor dies (up to "
+        "max_restarts times)."
+    )
+    group_sampling: Literal["ranks", "actors"] = Field(
+        "ranks", description="ray with trainer_workers > 1: who samples. 'ranks': each trainer actor samples its "
+        "share like a torchrun rank. 'actors': rollout_workers rollout actors sample (for example vLLM engines on "
+        "GPUs of their own); rank 0 drives them and hands every rank the batch, the group's weights (gathered "
+        "under FSDP2) are synced to them after each update as with one trainer; rewards are still scored on the "
+        "ranks, and max_staleness is 0."
     )
     trainer_resources: dict[str, float] = Field(
         default_factory=lambda: {"num_cpus": 1.0}, description="ray: resources of one trainer actor when "

@@ -43,6 +43,11 @@ def _trainer_group(cfg) -> bool:
     return cfg.distributed.mode == "ray" and cfg.distributed.trainer_workers > 1
 
 
+def _group_actors(cfg) -> bool:
+    """A Ray trainer group whose samples come from rollout actors (rank 0 drives them)."""
+    return _trainer_group(cfg) and cfg.distributed.group_sampling == "actors"
+
+
 def _ray_actors(cfg) -> bool:
     """distributed.mode=ray with one trainer (the process started) and rollout / reward actors."""
     return cfg.distributed.mode == "ray" and cfg.distributed.trainer_workers == 1
@@ -69,7 +74,11 @@ PROCESS_GROUP = [
            "distributed.backend", "distributed.timeout_s"),
     *_when("with distributed.mode=ray", lambda c: c.distributed.mode == "ray", "distributed.ray_address",
            "distributed.trainer_workers", "distributed.max_restarts"),
-    *_when("with distributed.mode=ray and trainer_workers > 1", _trainer_group, "distributed.trainer_resources"),
+    *_when("with distributed.mode=ray and trainer_workers > 1", _trainer_group, "distributed.trainer_resources",
+           "distributed.group_sampling"),
+    *_when("in a Ray trainer group with distributed.group_sampling=actors", _group_actors,
+           "distributed.rollout_workers", "distributed.rollout_resources", "distributed.actor_threads",
+           "distributed.sync_dtype", "distributed.sync_bucket_mb", "distributed.sync_changed_only"),
 ]
 
 # What every online RL method reads, whatever it trains.

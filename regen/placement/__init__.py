@@ -7,6 +7,7 @@
   ray_workers.py  the actor classes
   ray_trainers.py distributed.trainer_workers > 1: a group of trainer actors (one process group,
                   DDP / FSDP2) placed and restarted by a thin driver
+  ray_group.py    a trainer group whose rank 0 drives rollout actors (group_sampling: actors)
   vllm.py         rollout.engine=vllm: a vLLM engine samples in the trainer's process or on a rollout actor
   checks.py       the combinations refused before anything is written
 Data parallelism itself (DDP / FSDP2 around the trained model, collectives) is regen/runtime/dist.py.
@@ -25,6 +26,11 @@ def place(cfg, d, modality, reward, data, prompts, start_step: int):
         return RayReward(cfg), RayRollouts(modality, data, prompts, cfg, start_step)
     from regen.placement.local import LocalRollouts
     from regen.rewards.sharded import ShardedReward
+
+    if cfg.distributed.mode == "ray" and cfg.distributed.group_sampling == "actors":  # ... or rank 0's actors do
+        from regen.placement.ray_group import GroupRollouts
+
+        return ShardedReward(reward, d), GroupRollouts(modality, data, prompts, cfg, d, start_step)
 
     return (ShardedReward(reward, d) if d.on else reward), LocalRollouts(modality, data, prompts, cfg, d)
 

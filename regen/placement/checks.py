@@ -87,11 +87,13 @@ def check_placement(cfg: RLConfig, d: rdist.Dist) -> None:
 def check_vllm(cfg: RLConfig, d: rdist.Dist) -> None:
     """Where a vLLM engine can sample: in one process, or on each Ray rollout actor."""
     dc, tp = cfg.distributed, cfg.rollout.vllm_tensor_parallel
-    if d.on:
-        where = "in a Ray trainer group (distributed.trainer_workers > 1)" if dc.mode == "ray" else "under torchrun"
+    actors = dc.mode == "ray" and (dc.trainer_workers == 1 or dc.group_sampling == "actors")
+    if (d.on or dc.trainer_workers > 1) and not actors:  # the driver of a trainer group checks too
+        where = "on the ranks of a Ray trainer group" if dc.mode == "ray" else "under torchrun"
         raise UserError(f"rollout.engine=vllm {where}: not supported yet; run vllm in one process, or on Ray "
-                        "rollout actors (distributed.mode=ray, trainer_workers=1)")
-    if dc.mode != "ray":
+                        "rollout actors (distributed.mode=ray with trainer_workers=1, or a trainer group with "
+                        "group_sampling=actors)")
+    if not actors:
         return
     if dc.max_staleness > 0:
         raise UserError(f"rollout.engine=vllm on Ray rollout actors with distributed.max_staleness={dc.max_staleness}: "

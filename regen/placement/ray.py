@@ -64,16 +64,18 @@ def start_ray(cfg) -> None:
             need[key] = need.get(key, 0) + count * v
     short = [f"{k}: need {v:g}, the cluster has {have.get(k, 0):g}" for k, v in need.items() if v > have.get(k, 0)]
     if short:
-        what = "trainer_workers or trainer_resources" if d.trainer_workers > 1 else \
-            "rollout_workers / reward_workers or their resources"
+        what = "rollout_workers / reward_workers or their resources" if d.trainer_workers == 1 else \
+            "trainer_workers / rollout_workers or their resources" if d.group_sampling == "actors" else \
+            "trainer_workers or trainer_resources"
         raise UserError("distributed: the Ray cluster cannot place the run's actors (" + "; ".join(short)
                         + f"); lower distributed.{what}")
 
 
 def actors(d) -> list[tuple[int, dict[str, float]]]:
     """(count, resources of one) of each kind of actor the run starts."""
-    if d.trainer_workers > 1:  # a trainer group samples and scores on its own ranks
-        return [(d.trainer_workers, d.trainer_resources)]
+    if d.trainer_workers > 1:  # a trainer group scores on its own ranks, and samples there or on rollout actors
+        rollout = [(d.rollout_workers, d.rollout_resources)] if d.group_sampling == "actors" else []
+        return [(d.trainer_workers, d.trainer_resources), *rollout]
     return [(d.rollout_workers, d.rollout_resources), (d.reward_workers, d.reward_resources)]
 
 
@@ -153,7 +155,10 @@ class ActorGroup:
 class RayRollouts:
     """The rollout side of the loop on Ray actors (see regen/placement/local.py for the interface)."""
 
-    def __init__(self, modality, data: EpochSampler, prompts: list[PromptItem], cfg, version: int):
+    def __init__(self, modality, data: EpochSampler, prompts: list[PromptItem], cfg, version: int,
+                 state: dict | None = None, name: str = "regen-rollout"):
+        """state: the weights of the first sync (default: the modality's sync_state); name: the
+        actors' name prefix (a trainer group's rank 0 adds the group's generation)."""
         import ray
 
         start_ray(cfg)
@@ -161,7 +166,7 @@ class RayRollouts:
         self.m, self.data, self.prompts, self.cfg = modality, data, prompts, cfg
         self.bound, self.version = d.max_staleness, version
         self.workers = ActorGroup(RolloutWorker, d.rollout_workers, d.rollout_resources,
-                                  (for_actors(cfg), d.actor_threads), "regen-rollout", d.max_restarts,
+                                  (for_actors(cfg), d.actor_threads), name, d.max_restarts,
                                   on_new=lambda a: ray.get(a.load_weights.remote(self._weights, self.version)))
         self._weights = None  # the object references a new actor loads, in order, for the current weights
         self._packer = Packer(getattr(torch, d.sync_dtype), int(d.sync_bucket_mb * 1e6), d.sync_changed_only)
@@ -170,7 +175,7 @@ class RayRollouts:
         self._ahead = None  # (step, items, plan, refs, data and generator state before them, version)
         self._lag = self.discarded = 0
         try:
-            self.sync(version)
+            self.sync(version, state)
         except BaseException:
             self.workers.close()  # actors started for a run that does not start
             raise
@@ -192,8 +197,10 @@ class RayRollouts:
             self._ahead = self._submit(step + 1, gen)
         return items, batch
 
-    def sync(self, step: int) -> dict[str, float]:
-        buckets, refs, metrics = self.workers.push(self.m.sync_state(), step, self._packer)
+    def sync(self, step: int, state: dict | None = None) -> dict[str, float]:
+        """Push the weights (`state`, default the modality's sync_state) to every actor as version `step`."""
+        state = self.m.sync_state() if state is None else state
+        buckets, refs, metrics = self.workers.push(state, step, self._packer)
         self._weights = self._chain.add(refs, buckets)
         self.version = step
         self._by_version = {v: w for v, w in self._by_version.items() if v >= step - self.bound} | {step: self._weights}

@@ -28,6 +28,8 @@ from pathlib import Path
 from regen.errors import RunStopped, UserError
 from regen.runtime.dist import GROUP_ENV
 
+GENERATION_ENV = "REGEN_GROUP_GENERATION"  # which start of the group this is (0, then each restart)
+
 
 class TrainerWorker:
     """One rank of the group: a plain class, made an actor by TrainerGroup."""
@@ -80,6 +82,7 @@ class TrainerGroup:
         from regen.placement.ray import _first_error_line
 
         d = cfg.distributed
+        self.generation = generation  # names a rank 0's rollout actors (group_sampling=actors) per group
         res = d.trainer_resources
         bundle = {"CPU": res.get("num_cpus", 1.0), "GPU": res.get("num_gpus", 0.0),
                   **{k: v for k, v in res.items() if k not in ("num_cpus", "num_gpus")}}
@@ -116,7 +119,7 @@ class TrainerGroup:
             local_rank = 0 if p["gpus"] else local.index(p)
             out.append({GROUP_ENV: "1", "RANK": str(rank), "WORLD_SIZE": str(len(self.places)),
                         "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(len(local)),
-                        "MASTER_ADDR": master, "MASTER_PORT": str(port)})
+                        "MASTER_ADDR": master, "MASTER_PORT": str(port), GENERATION_ENV: str(self.generation)})
         return out
 
     def stop(self) -> None:
