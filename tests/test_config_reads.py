@@ -76,9 +76,19 @@ def test_ray_keys_follow_the_placement_a_trainer_group_or_actors():
     for key in ("distributed.strategy=fsdp", "distributed.timeout_s=60", "distributed.trainer_resources={num_cpus: 2}"):
         load_config(RLConfig, None, [*group, key])
     for key in ("distributed.rollout_workers=4", "distributed.max_staleness=1", "distributed.actor_threads=2"):
-        with pytest.raises(ConfigError, match=key.split("=")[0] + " is read only with distributed.mode=ray and "
+        with pytest.raises(ConfigError, match=key.split("=")[0] + " is read only .*with distributed.mode=ray and "
                            "trainer_workers=1"):
             load_config(RLConfig, None, [*group, key])
+    # a group whose rank 0 drives rollout actors reads the rollout keys, still not the staleness bound
+    actors = [*group, "distributed.group_sampling=actors"]
+    load_config(RLConfig, None, [*actors, "distributed.rollout_workers=4", "distributed.actor_threads=2"])
+    with pytest.raises(ConfigError, match="rollout_workers is read only in a Ray trainer group with "
+                       "distributed.group_sampling=actors or with distributed.mode=ray and trainer_workers=1"):
+        load_config(RLConfig, None, [*group, "distributed.rollout_workers=4"])
+    with pytest.raises(ConfigError, match="max_staleness is read only with distributed.mode=ray and trainer_workers=1"):
+        load_config(RLConfig, None, [*actors, "distributed.max_staleness=1"])
+    with pytest.raises(ConfigError, match="group_sampling is read only with distributed.mode=ray and trainer_workers > 1"):
+        load_config(RLConfig, None, [MODEL["lm"], "distributed.mode=ray", "distributed.group_sampling=actors"])
     one = [MODEL["lm"], "distributed.mode=ray"]
     load_config(RLConfig, None, [*one, "distributed.rollout_workers=4"])
     for key in ("distributed.strategy=fsdp", "distributed.trainer_resources={num_cpus: 2}"):

@@ -234,7 +234,8 @@ def unread(cfg, given: Iterable[str]) -> list[str]:
                 if key.split(".")[0] in ("model", "algorithm", "rollout", "flow", "optim", "train", "critic") else ""))
             continue
         if matches:
-            out.append(f"{key} is read only {matches[0].when} (algorithm.name={name})")
+            whens = " or ".join(dict.fromkeys(r.when for r in matches if r.when))  # every setting that reads it
+            out.append(f"{key} is read only {whens} (algorithm.name={name})")
             continue
         who = readers(key)
         kind = "offline, no sampling" if name == "dpo" else ("language models" if METHODS[name] == "lm"
