@@ -73,6 +73,27 @@ def test_a_trainer_group_whose_rollout_actors_sample_trains_what_one_process_tra
     assert all(r["sync/mb"] > 0 and r["rollout/worker_restarts"] == 0 for r in rows)  # the actors sampled
 
 
+def test_a_trainer_group_samples_one_step_ahead_as_one_trainer_does(base_model, tmp_path):
+    """max_staleness=1 with rank 0's rollout actors: the next batch is requested before the update
+    and every rank draws it at that point, so the group trains what one trainer with the same
+    actors trains (late batches, behaviour log-probs, the rewind at each checkpoint)."""
+    ahead = [*SETUP, "train.steps=5", "checkpoint.every=2", "distributed.max_staleness=1",
+             "distributed.rollout_workers=2"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    ray.shutdown()  # a private Ray sized for this run's actors
+    assert main(["train", f"model.path={base_model}", f"run.dir={one}", *ahead, "distributed.mode=ray",
+                 "distributed.reward_workers=1"]) == 0
+    ray.shutdown()
+    assert main(["train", f"model.path={base_model}", f"run.dir={two}", *ahead, *GROUP,
+                 "distributed.group_sampling=actors"]) == 0
+    rows, want = read_jsonl(two / "metrics.jsonl"), read_jsonl(one / "metrics.jsonl")
+    assert [r["rollout/staleness"] for r in rows] == [r["rollout/staleness"] for r in want] == [0, 1, 0, 1, 0]
+    assert [r["reward/mean"] for r in rows] == [r["reward/mean"] for r in want]
+    for key in ("loss", "kl", "grad_norm"):
+        assert [r[key] for r in rows] == pytest.approx([r[key] for r in want], rel=1e-4, abs=1e-6), key
+    assert_same_weights(two / "export", one / "export", base_model)
+
+
 def trainer_pids() -> list[int]:
     return [p.pid for p in psutil.process_iter(["cmdline"])
             if any("TrainerWorker" in part for part in (p.info["cmdline"] or []))]

@@ -54,8 +54,8 @@ class DistributedConfig(Section):
         "ranks", description="ray with trainer_workers > 1: who samples. 'ranks': each trainer actor samples its "
         "share like a torchrun rank. 'actors': rollout_workers rollout actors sample (for example vLLM engines on "
         "GPUs of their own); rank 0 drives them and hands every rank the batch, the group's weights (gathered "
-        "under FSDP2) are synced to them after each update as with one trainer; rewards are still scored on the "
-        "ranks, and max_staleness is 0."
+        "under FSDP2) are synced to them after each update, and max_staleness acts, as with one trainer; rewards "
+        "are still scored on the ranks."
     )
     trainer_resources: dict[str, float] = Field(
         default_factory=lambda: {"num_cpus": 1.0}, description="ray: resources of one trainer actor when "

@@ -78,7 +78,8 @@ PROCESS_GROUP = [
            "distributed.group_sampling"),
     *_when("in a Ray trainer group with distributed.group_sampling=actors", _group_actors,
            "distributed.rollout_workers", "distributed.rollout_resources", "distributed.actor_threads",
-           "distributed.sync_dtype", "distributed.sync_bucket_mb", "distributed.sync_changed_only"),
+           "distributed.sync_dtype", "distributed.sync_bucket_mb", "distributed.sync_changed_only",
+           "distributed.max_staleness"),
 ]
 
 # What every online RL method reads, whatever it trains.

@@ -9,7 +9,10 @@ all ranks stay in step with rank 0 (and with a torchrun run of the same seed) wi
 them, and receives the sampled batch from rank 0. After each update every rank joins the weight
 gather (FSDP2: a collective; DDP: rank 0 already holds them) and rank 0 pushes them to the
 actors. Rewards are scored on the ranks, each its share, as in a group that samples itself.
-max_staleness is 0 here (not read): a batch is always sampled with the current weights.
+With max_staleness 1 rank 0 requests the next batch before the update (it overlaps the update),
+and every other rank draws that batch's prompts and plan at the same point, so the generators
+agree (the update's minibatch order comes from the same generator); a checkpoint rewinds the
+draw on every rank, as RayRollouts does.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ class GroupRollouts:
         from regen.placement.ray_trainers import GENERATION_ENV
 
         self.m, self.data, self.prompts, self.cfg, self.dist = modality, data, prompts, cfg, dist
+        self.bound = cfg.distributed.max_staleness
+        self._ahead = None  # ranks > 0: (step, items, data and generator state before them), as rank 0's pool
+        self._stale = False
         state = self._state()  # every rank: under FSDP2 the gather is a collective
         self.pool = None
         if dist.main:
@@ -50,12 +56,29 @@ class GroupRollouts:
     def next(self, step: int, gen: torch.Generator, again: bool = False):
         if self.pool is not None:
             items, batch = self.pool.next(step, gen, again)
-            batch = batch.to("cpu")
-        else:  # the draws rank 0's pool makes (RayRollouts._submit), so every rank's sampler and generator agree
-            items = [self.prompts[i] for i in self.data.take(self.cfg.prompts_per_step)]
-            self.m.plan(gen, step, again)
-            batch = None
-        return items, self.m.concat([self.dist.broadcast_object(batch)])
+            sent = (batch.to("cpu"), self.pool.stale(batch))
+        else:  # the draws rank 0's pool makes (RayRollouts.next), in its order, so every generator agrees
+            ahead, self._ahead = self._ahead, None
+            if ahead is not None and (again or ahead[0] != step):
+                self._rewind(ahead)
+                ahead = None
+            items = ahead[1] if ahead is not None else self._draw(step, gen, again)[1]
+            if self.bound >= 1:
+                self._ahead = self._draw(step + 1, gen)
+            sent = None
+        batch, self._stale = self.dist.broadcast_object(sent)
+        return items, self.m.concat([batch])
+
+    def _draw(self, step: int, gen: torch.Generator, again: bool = False):
+        before = (self.data.state(), gen, gen.get_state())
+        items = [self.prompts[i] for i in self.data.take(self.cfg.prompts_per_step)]
+        self.m.plan(gen, step, again)
+        return step, items, before
+
+    def _rewind(self, ahead) -> None:
+        data_state, gen, gen_state = ahead[2]
+        self.data.load_state(data_state)
+        gen.set_state(gen_state)
 
     def sync(self, step: int) -> dict[str, float]:
         state = self._state()
@@ -63,13 +86,18 @@ class GroupRollouts:
         return self.dist.broadcast_object(metrics)  # the same metrics on every rank (they are summed and logged)
 
     def stale(self, batch) -> bool:
-        return False  # max_staleness 0: RayRollouts samples a late batch again with the current weights
+        return self._stale  # rank 0's answer, sent with the batch
 
     def stats(self) -> dict[str, float]:
         return self.dist.broadcast_object(self.pool.stats() if self.pool is not None else None)
 
     def discard_prefetch(self) -> None:
-        """Nothing is sampled ahead (max_staleness 0)."""
+        """A checkpoint: forget the batch drawn ahead and rewind its draws, on every rank."""
+        if self.pool is not None:
+            self.pool.discard_prefetch()
+        elif self._ahead is not None:
+            self._rewind(self._ahead)
+            self._ahead = None
 
     def close(self) -> None:
         if self.pool is not None:
