@@ -228,12 +228,10 @@ class RayRollouts:
     # -------------------------------------------------------------- helpers
 
     def _rewind(self, ahead) -> None:
-        data_state, gen, gen_state = ahead[4]
-        self.data.load_state(data_state)
-        gen.set_state(gen_state)
+        rewind(self.data, ahead[4])
 
     def _submit(self, step: int, gen: torch.Generator, again: bool = False):
-        before = (self.data.state(), gen, gen.get_state())
+        before = (self.data.state(), gen, gen.get_state())  # what rewind() restores
         items = [self.prompts[i] for i in self.data.take(self.cfg.prompts_per_step)]
         plan = self.m.plan(gen, step, again)
         return step, items, plan, self._requests(items, plan), before, self.version
@@ -287,6 +285,14 @@ class RayReward:
 
     def close(self) -> None:
         self.workers.close()
+
+
+def rewind(data: EpochSampler, before: tuple) -> None:
+    """Give back the draws of a batch requested ahead: the prompt sampler's and the generator's
+    state from before them, `(data.state(), gen, gen.get_state())`."""
+    data_state, gen, gen_state = before
+    data.load_state(data_state)
+    gen.set_state(gen_state)
 
 
 def _split(xs: list, k: int) -> list[list]:

@@ -70,15 +70,15 @@ class GroupRollouts:
         return items, self.m.concat([batch])
 
     def _draw(self, step: int, gen: torch.Generator, again: bool = False):
-        before = (self.data.state(), gen, gen.get_state())
+        before = (self.data.state(), gen, gen.get_state())  # what rewind() restores
         items = [self.prompts[i] for i in self.data.take(self.cfg.prompts_per_step)]
         self.m.plan(gen, step, again)
         return step, items, before
 
     def _rewind(self, ahead) -> None:
-        data_state, gen, gen_state = ahead[2]
-        self.data.load_state(data_state)
-        gen.set_state(gen_state)
+        from regen.placement.ray import rewind
+
+        rewind(self.data, ahead[2])
 
     def sync(self, step: int) -> dict[str, float]:
         state = self._state()
