@@ -231,9 +231,7 @@ class RayRollouts:
         rewind(self.data, ahead[4])
 
     def _submit(self, step: int, gen: torch.Generator, again: bool = False):
-        before = (self.data.state(), gen, gen.get_state())  # what rewind() restores
-        items = [self.prompts[i] for i in self.data.take(self.cfg.prompts_per_step)]
-        plan = self.m.plan(gen, step, again)
+        items, plan, before = draw(self.m, self.data, self.prompts, self.cfg, step, gen, again)
         return step, items, plan, self._requests(items, plan), before, self.version
 
     def _shares(self, items, plan) -> list[tuple]:
@@ -285,6 +283,15 @@ class RayReward:
 
     def close(self) -> None:
         self.workers.close()
+
+
+def draw(m, data: EpochSampler, prompts: list[PromptItem], cfg, step: int, gen: torch.Generator, again: bool = False):
+    """A step's prompts and plan (its randomness), and the sampler's and generator's state before
+    them (for rewind). The one place a Ray placement draws, so a trainer group's ranks that do not
+    drive the actors draw exactly what rank 0 does (regen/placement/ray_group.py)."""
+    before = (data.state(), gen, gen.get_state())
+    items = [prompts[i] for i in data.take(cfg.prompts_per_step)]
+    return items, m.plan(gen, step, again), before
 
 
 def rewind(data: EpochSampler, before: tuple) -> None:

@@ -22,6 +22,7 @@ import os
 import torch
 
 from regen.data import EpochSampler, PromptItem
+from regen.placement.ray import draw, rewind
 from regen.runtime.dist import Dist
 
 
@@ -70,14 +71,10 @@ class GroupRollouts:
         return items, self.m.concat([batch])
 
     def _draw(self, step: int, gen: torch.Generator, again: bool = False):
-        before = (self.data.state(), gen, gen.get_state())  # what rewind() restores
-        items = [self.prompts[i] for i in self.data.take(self.cfg.prompts_per_step)]
-        self.m.plan(gen, step, again)
+        items, _, before = draw(self.m, self.data, self.prompts, self.cfg, step, gen, again)
         return step, items, before
 
     def _rewind(self, ahead) -> None:
-        from regen.placement.ray import rewind
-
         rewind(self.data, ahead[2])
 
     def sync(self, step: int) -> dict[str, float]:
