@@ -162,6 +162,24 @@ def test_adherence_prefers_the_right_prompt_and_punishes_hacks(cache):
     assert score([media(img, {"colour": "red"}), media(solid((0, 0, 0), 32), RED_LEFT)]) == [None, None]
 
 
+def test_adherence_reads_a_prompt_in_the_painters_words_when_meta_has_none(cache):
+    """A joint run's painter is judged against its rewrite: no meta, the attributes from the text."""
+    score = REGISTRY["adherence"](cache=str(cache))
+    img = drawn([RED_LEFT], seed=7)[0]
+    by_meta, by_text, other_text = score([media(img, RED_LEFT), media(img, prompt="a red circle at the left"),
+                                          media(img, prompt="the blue square at top")])
+    assert by_text == by_meta and other_text < 0.2
+    # meta wins over the text; a text that is not one prompt in the painter's words is missing
+    assert score([media(img, BLUE_TOP, prompt="a red circle at the left")]) == [pytest.approx(other_text, rel=1e-4)]
+    assert score([media(img, prompt=p) for p in ("a red circle at the", "a red blue circle at the left",
+                                                  "a crimson circle at the left", "")]) == [None] * 4
+    vmeta = {"colour": "green", "shape": "triangle", "direction": "up"}
+    video = drawn([vmeta], seed=8)[0]
+    assert score([media(video, vmeta), media(video, prompt="a green triangle moving up")]) == [
+        pytest.approx(score([media(video, vmeta)])[0], rel=1e-4)] * 2
+    assert shapes.parse_prompt("a red circle moving up", "image") is None  # "up" is no position
+
+
 def test_cache_is_reused(cache):
     adh._MEMO.clear()  # as in a new process
     trained, loaded = adh.STATS["trained"], adh.STATS["loaded"]

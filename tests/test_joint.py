@@ -62,7 +62,58 @@ def test_advantages_route_the_image_reward_to_both_models(enhancer_base, flow_ba
     want = [(0.5 - 1.3 / 3) / 0.0577350, (0.4 - 1.3 / 3) / 0.0577350, (0.4 - 1.3 / 3) / 0.0577350]
     first = e.adv if e.adv.dim() == 1 else e.adv[:, 0]
     assert first.tolist() == pytest.approx(want, abs=1e-4) and e.valid.all()
-    assert adv.valid is p.valid and adv.metrics["enhancer/zero_std_frac"] == 0.0  # the loop reads the images'
+    assert adv.valid.all()  # each image's rewrite has an enhancer advantage: there is something to train
+    assert adv.metrics["enhancer/zero_std_frac"] == 0.0 and adv.metrics["missing_frac"] == pytest.approx(1 / 6)
+
+
+def test_a_painter_judged_against_its_rewrite_gets_its_own_scores(enhancer_base, flow_base, tmp_path):
+    """reward_against=rewrite: the images are scored twice; the painter's advantage from the scores
+    against its rewrite, the enhancer's (and the run's rewards) from those against the user's prompt."""
+    cfg = load_config(RLConfig, None, joint_args(enhancer_base, flow_base, tmp_path / "r")[1:]
+                      + ["rollout.global_batch_size=6", "models.enhancer.rollout.group_size=3",
+                         "models.painter.reward_against=rewrite"])
+    m = JointModality(cfg, torch.device("cpu"), Dist())
+    from regen.data import load_prompts
+
+    items = load_prompts("builtin:shapes-paraphrase:train", cfg.task, "data.train")[:1]
+    batch = m.sample(m.inputs(items), 6, m.plan(torch.Generator().manual_seed(0), 1))
+    samples = m.reward_samples(items, batch)
+    assert len(samples) == 12 and [s.prompt for s in samples[:6]] == [items[0].prompt] * 6
+    assert samples[0].meta["colour"] == items[0].meta["colour"]  # judged against what the user asked
+    assert [s.prompt for s in samples[6:]] == [r for r in batch.rewrites for _ in range(2)]
+    assert all(s.meta == {"user_prompt": items[0].prompt} for s in samples[6:])
+    assert all((a.media == b.media).all() for a, b in zip(samples[:6], samples[6:]))
+    # user-judged: rewrite 0: .2, .2; rewrite 1: .9, .1; rewrite 2: .4, .6. Own: 1, 0; missing, missing; .3, .5
+    nan = float("nan")
+    user, own = [0.2, 0.2, 0.9, 0.1, 0.4, 0.6], [1.0, 0.0, nan, nan, 0.3, 0.5]
+    rewards, parts = m.shape_rewards(torch.tensor(user + own), {"adherence": user + own}, batch)
+    assert rewards.tolist() == pytest.approx(user) and parts["adherence"] == user
+    adv = m.advantages(rewards, batch, {})
+    s = 0.5**0.5  # painter, by hand from its own scores: (1 - .5) / .70711; (.3 - .4) / .14142
+    p = adv.parts["painter"]
+    assert p.valid.tolist() == [True, True, False, False, True, True]
+    assert p.adv[[0, 1, 4, 5]].tolist() == pytest.approx([s, -s, -s, s], abs=1e-5)
+    # enhancer from the user-judged means .2, .5, .5: mean .4, std .17321
+    e = adv.parts["enhancer"]
+    first = e.adv if e.adv.dim() == 1 else e.adv[:, 0]
+    assert first.tolist() == pytest.approx([-0.2 / 0.173205, 0.1 / 0.173205, 0.1 / 0.173205], abs=1e-4)
+    assert adv.valid.all()  # rewrite 1's images: the painter has nothing, the enhancer has its rewrite
+    assert adv.metrics["missing_frac"] == 0.0 and adv.metrics["painter/missing_frac"] == pytest.approx(1 / 3)
+    logged = m.batch_metrics(batch)
+    assert logged["painter/reward_own"] == pytest.approx(0.45) and logged["painter/missing_frac"] == pytest.approx(1 / 3)
+
+
+def test_a_run_whose_painter_is_judged_against_its_rewrite(enhancer_base, flow_base, tmp_path):
+    """End to end with the real adherence reward: it reads the rewrite's attributes from its words,
+    so the painter's own scores are another set than the user-judged ones."""
+    run = tmp_path / "own"
+    assert main(joint_args(enhancer_base, flow_base, run, "reward=[{name: adherence}]", "train.steps=2",
+                           "models.painter.reward_against=rewrite")) == 0
+    rows = [r for r in read_jsonl(run / "metrics.jsonl") if "reward/mean" in r]
+    assert len(rows) == 2 and all(0.0 <= r["painter/missing_frac"] <= 1.0 for r in rows)
+    own = [r["painter/reward_own"] for r in rows if r["painter/missing_frac"] < 1.0]
+    assert own and all(0.0 < v < 1.0 for v in own)
+    assert any(r["painter/reward_own"] != r["reward/mean"] for r in rows)
 
 
 # ---------------------------------------------------------------- books of both models
@@ -172,6 +223,11 @@ def test_a_killed_joint_run_resumes_bitwise_equal(enhancer_base, flow_base, tmp_
     (["models.enhancer.frozen=true", "models.painter.frozen=true"], "every model is frozen"),
     (["models.enhancer.frozen=true", "models.enhancer.train_at=[[1, 2]]"], "frozen: true and train_at contradict"),
     (["models.enhancer.train.steps=3"], "models.enhancer.train.steps: set it once for the run"),
+    (["models.painter.reward_against=rewrites"], "models.painter.reward_against: 'user' or 'rewrite', got 'rewrites'"),
+    (["models.enhancer.reward_against=rewrite"], "models.enhancer.reward_against: enhancer draws from the user's "
+     "prompts, so it is always judged against them"),
+    (["models.painter.reward_against=rewrite", "models.painter.frozen=true"],
+     "models.painter.reward_against: read only when painter trains, and it is frozen"),
     (["models.enhancer.data={train: x}"], "models.enhancer.data: not a key of a model"),
     (["algorithm.name=nft"], "algorithm.name is not read in a joint run (models:): give it inside each models.NAME"),
     (["model.path=x"], "model.path is not read in a joint run"),

@@ -205,7 +205,8 @@ class RLConfig(Section):
         None, description="Joint run: several trained models and which feeds which (regen/config/joint.py), e.g. "
         "{enhancer: {model: ..., algorithm: {name: grpo}, rollout: {group_size: 4}, feeds: painter}, painter: "
         "{model: ..., algorithm: {name: nft}, rollout: {group_size: 4}}}. Each holds its own model, algorithm, "
-        "rollout, flow, optim, train and critic sections, and feeds / frozen / train_at; run, data, reward, eval, "
+        "rollout, flow, optim, train and critic sections, and feeds / frozen / train_at / reward_against (the "
+        "painter's advantage judged against the user's prompt or its rewrite); run, data, reward, eval, "
         "checkpoint, health, log, train.steps and the optim schedule are the run's. rollout.global_batch_size "
         "counts the final samples of a step. Metrics NAME/* per model.")
     eval: EvalConfig = Field(default_factory=EvalConfig)

@@ -9,6 +9,10 @@ keys of a single-model run) and its place in the run:
     frozen    true: never trained (its weights stay as loaded)
     train_at  [[from, to], ...] steps (inclusive; to null = the end) in which it is trained;
               null = every step. Outside them it samples but is not updated (stage schedules).
+    reward_against  user (default) | rewrite: for a model fed by another (the painter), whether
+              its own advantage judges its images against the user's prompt or against the
+              prompt it was given (the enhancer's rewrite). The run's reward, its metrics and the
+              enhancer's advantage always judge against the user's prompt.
 
 Everything else (run, data, reward, eval, checkpoint, health, log, train.steps, optim's schedule
 and warm-up) is the run's, shared. Each model gets its own RLConfig here (`member_configs`),
@@ -23,7 +27,7 @@ from typing import Any
 from pydantic import ValidationError
 
 SECTIONS = ("model", "algorithm", "rollout", "flow", "optim", "train", "critic")  # a model's own sections
-OWN = ("feeds", "frozen", "train_at")
+OWN = ("feeds", "frozen", "train_at", "reward_against")
 SHARED_TRAIN = ("steps",)  # train.* keys of the run, not of a model
 SHARED_OPTIM = ("warmup_steps", "schedule")  # one learning-rate schedule, scaled to each model's optim.lr
 
@@ -62,6 +66,10 @@ def chain(models: dict[str, dict[str, Any]], kinds: dict[str, str]) -> list[str]
                          "(models.ENHANCER.feeds: PAINTER); got " + ", ".join(
                              f"{n} ({kinds[n]}" + (f", feeds {models[n]['feeds']})" if models[n].get("feeds") else ")")
                              for n in names))
+    if models[order[0]].get("reward_against", "user") != "user":
+        raise ValueError(f"models.{order[0]}.reward_against: {order[0]} draws from the user's prompts, so it is always "
+                         "judged against them; reward_against applies to the model it feeds "
+                         f"(models.{order[1]}.reward_against)")
     if all(models[n].get("frozen") for n in names):
         raise ValueError("models: every model is frozen (models.NAME.frozen): nothing would be trained")
     return order
@@ -89,6 +97,11 @@ def check_spec(name: str, spec: Any) -> None:
                              f"null for the end), e.g. [[1, 100], [201, null]]; got {at!r}")
         if spec.get("frozen"):
             raise ValueError(f"models.{name}: frozen: true and train_at contradict each other; give one")
+    against = spec.get("reward_against", "user")
+    if against not in ("user", "rewrite"):
+        raise ValueError(f"models.{name}.reward_against: 'user' or 'rewrite', got {against!r}")
+    if against == "rewrite" and spec.get("frozen"):
+        raise ValueError(f"models.{name}.reward_against: read only when {name} trains, and it is frozen")
     if not isinstance(spec.get("frozen", False), bool):
         raise ValueError(f"models.{name}.frozen: true or false, got {spec['frozen']!r}")
 

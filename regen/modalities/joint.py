@@ -13,6 +13,12 @@ rows r * n_i ... r * n_i + n_i - 1). Advantages (the routing of one reward to tw
   enhancer  R_r = mean of rewrite r's image rewards (missing ones left out; none: missing), and
             its method's advantage of R_r with each prompt's n_t rewrites a group
 
+Every reward judges an image against the user's prompt, except the painter's with
+`models.PAINTER.reward_against: rewrite`: its images are scored a second time against the prompt
+the painter was given (the rewrite), and those scores make its advantage. Judged against the
+user's prompt, a painter whose rewrite named other attributes is rewarded for drawing what the
+user asked anyway, i.e. for ignoring its prompt (bench/README.md, joint.py).
+
 Each model has its own parameter group in the run's optimizer (own lr, betas, eps, weight
 decay; the run's schedule and warm-up scale every group alike), and is updated by its own
 method with its own train settings, only at the steps it trains (frozen / train_at).
@@ -57,6 +63,7 @@ class JointBatch:
     parts: dict  # name -> that model's batch: the enhancer's LMRollout, the painter's FlowSample
     rewrites: list[str]  # (G * n_t,) the enhancer's text, the painter's prompts
     version: torch.Tensor | None = field(default=None)
+    own_rewards: torch.Tensor | None = field(default=None)  # (B,) reward_against=rewrite: the painter's scores
 
     def __len__(self) -> int:
         return len(list(self.parts.values())[-1])
@@ -66,11 +73,14 @@ class JointBatch:
 
 
 class JointAdvantages(Advantages):
-    """The painter's advantages (what the loop reads: valid rows, metrics) and each model's own."""
+    """The painter's advantages and metrics, and each model's own. `valid` (what the loop reads: is
+    there anything to train) marks an image row valid when either model has a valid row for it."""
 
     def __init__(self, parts: dict[str, Advantages], last: str, metrics: dict):
         a = parts[last]
-        super().__init__(a.adv, a.valid, a.mask, metrics)
+        first = next(v for k, v in parts.items() if k != last)
+        valid = a.valid | first.valid.repeat_interleave(len(a.valid) // max(len(first.valid), 1))
+        super().__init__(a.adv, valid, a.mask, metrics)
         self.parts = parts
 
 
@@ -103,6 +113,7 @@ class JointModality(Modality):
         self.gen_device = self.m[self.last].gen_device
         self.n_first = self.configs[self.first].rollout.group_size
         self.n_last = self.configs[self.last].rollout.group_size
+        self.against_rewrite = self.specs[self.last].get("reward_against", "user") == "rewrite"
         self.step = 0
         self.opt = None
 
@@ -184,7 +195,23 @@ class JointModality(Modality):
         return [replace(items[r // n], meta={**items[r // n].meta, "rewrite": text}) for r, text in enumerate(rewrites)]
 
     def reward_samples(self, items, batch: JointBatch):
-        return self.m[self.last].reward_samples(self.per_rewrite(items, batch.rewrites, self.n_first), batch.parts[self.last])
+        """Each image against its user's prompt; with reward_against=rewrite the same images again
+        (rows B..2B-1) against the painter's own prompt, with the user's in meta['user_prompt']."""
+        user = self.m[self.last].reward_samples(self.per_rewrite(items, batch.rewrites, self.n_first),
+                                                batch.parts[self.last])
+        if not self.against_rewrite:
+            return user
+        return user + [replace(s, prompt=batch.rewrites[i // self.n_last], meta={"user_prompt": s.prompt})
+                       for i, s in enumerate(user)]
+
+    def shape_rewards(self, rewards: torch.Tensor, parts: dict, batch: JointBatch) -> tuple[torch.Tensor, dict]:
+        """The run's rewards are the user-judged ones; the painter's own (reward_against=rewrite) wait
+        on the batch for its advantage."""
+        if not self.against_rewrite:
+            return rewards, parts
+        b = len(batch)
+        batch.own_rewards = rewards[b:]
+        return rewards[:b], {k: v[:b] for k, v in parts.items()}
 
     def fixed_terms(self, batch: JointBatch) -> dict:
         return {n: self.m[n].fixed_terms(batch.parts[n]) for n in self.names if self.active(n)}
@@ -192,12 +219,17 @@ class JointModality(Modality):
     # ------------------------------------------------------------------ 3. advantage
 
     def advantages(self, rewards: torch.Tensor, batch: JointBatch, fixed: dict) -> JointAdvantages:
-        parts = {self.last: self.m[self.last].advantages(rewards, batch.parts[self.last], fixed.get(self.last, {})),
+        own = rewards if batch.own_rewards is None else batch.own_rewards
+        parts = {self.last: self.m[self.last].advantages(own, batch.parts[self.last], fixed.get(self.last, {})),
                  self.first: self.m[self.first].advantages(rewrite_rewards(rewards, self.n_last),
                                                            batch.parts[self.first], fixed.get(self.first, {}))}
         metrics = dict(parts[self.last].metrics)  # reward/missing_frac etc. of the images
         for n, a in parts.items():
             metrics |= {f"{n}/{k}": v for k, v in a.metrics.items()}
+        if batch.own_rewards is not None:
+            # the run's alerts watch the user-judged rewards; a rewrite the reward cannot read (not
+            # in the painter's words) is missing only in the painter's own (painter/missing_frac)
+            metrics["missing_frac"] = float((~torch.isfinite(rewards)).float().mean())
         return JointAdvantages(parts, self.last, metrics)
 
     # ------------------------------------------------------------------ 4. update
@@ -232,6 +264,11 @@ class JointModality(Modality):
     def batch_metrics(self, batch: JointBatch) -> dict[str, float]:
         out = {f"{n}/{k}": v for n in self.names for k, v in self.m[n].batch_metrics(batch.parts[n]).items()}
         out[f"{self.first}/rewrite_words"] = sum(len(r.split()) for r in batch.rewrites) / max(len(batch.rewrites), 1)
+        if batch.own_rewards is not None:  # reward_against=rewrite: the painter's scores against its prompt
+            own = batch.own_rewards
+            finite = own[torch.isfinite(own)]
+            out[f"{self.last}/reward_own"] = float(finite.mean()) if len(finite) else math.nan
+            out[f"{self.last}/missing_frac"] = 1.0 - len(finite) / max(len(own), 1)
         return out
 
     # ------------------------------------------------------------------ books

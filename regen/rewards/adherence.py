@@ -250,16 +250,22 @@ class _Classifier:
 
     def probs(self, samples: list[Sample]) -> list[dict[str, float] | None]:
         """For each sample: {attribute: probability of the prompted value}; None when it has
-        no media, media of another shape than the task's, or a meta without its attributes."""
+        no media, media of another shape than the task's, or neither a meta with its attributes
+        nor a prompt in the painter's words (regen.tasks.shapes.parse_prompt) to read them from."""
         import numpy as np
         import torch
 
         out: list[dict[str, float] | None] = [None] * len(samples)
         todo: dict[str, list[tuple[int, np.ndarray, list[int]]]] = {"image": [], "video": []}
+        from regen.tasks.shapes import parse_prompt
+
         for i, s in enumerate(samples):
             kind = {3: "image", 4: "video"}.get(getattr(s.media, "ndim", 0))
             vals = _values(kind) if kind else {}
-            want = [vals[a].index(s.meta[a]) if s.meta.get(a) in vals[a] else -1 for a in vals]
+            meta = s.meta
+            if kind and not any(a in meta for a in vals):  # no attributes given: the prompt's own words
+                meta = parse_prompt(s.prompt, kind) or {}
+            want = [vals[a].index(meta[a]) if meta.get(a) in vals[a] else -1 for a in vals]
             if kind and -1 not in want and tuple(s.media.shape) == _media_shape(kind):
                 todo[kind].append((i, np.asarray(s.media), want))
         for kind, rows in todo.items():
@@ -279,8 +285,10 @@ class Adherence(_Classifier):
     """Prompt adherence of shapes images/videos in [0, 1]: mean over heads of the prompted attribute's probability.
 
     args: steps (300) and seed (0) of the classifier's training, cache (default $REGEN_CACHE).
-    The prompt is read from Sample.meta (colour, shape, position or direction); a sample
-    without media or without those fields is missing (None).
+    The prompt is read from Sample.meta (colour, shape, position or direction) or, when meta has
+    none of them, from the prompt text if it is in the painter's words ("a red circle at the
+    left": a joint run's painter judged against its rewrite); a sample without media, or whose
+    attributes are neither, is missing (None).
     """
 
     def __call__(self, samples: list[Sample]) -> list[float | None]:

@@ -41,6 +41,25 @@ def prompt_text(meta: dict) -> str:
     return f"a {meta['colour']} {meta['shape']} moving {meta['direction']}"
 
 
+def parse_prompt(text: str, kind: str = "image") -> dict | None:
+    """The attributes a prompt in the painter's own words names ("a red circle at the left"; for
+    videos "a red circle moving left"), or None when it is not one: every word must be the
+    phrasing's ("a", "at", "the", "moving") or an attribute value, each attribute named exactly
+    once (the prompt encoder reads a bag of words, so their order is free)."""
+    key, where = ("position", POSITIONS) if kind == "image" else ("direction", DIRECTIONS)
+    values = {"colour": COLOURS, "shape": SHAPES, key: where}
+    found: dict[str, list[str]] = {k: [] for k in values}
+    for word in text.lower().split():
+        hits = [k for k, v in values.items() if word in v]
+        if not hits and word not in ("a", "at", "the", "moving"):
+            return None
+        for k in hits:
+            found[k].append(word)
+    if any(len(v) != 1 for v in found.values()):
+        return None
+    return {k: v[0] for k, v in found.items()}
+
+
 def split(kind: str) -> tuple[list[dict], list[dict]]:
     """(train, test) attribute dicts; the test combinations leave every word in training."""
     items = _all(kind)
