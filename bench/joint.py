@@ -10,11 +10,14 @@ regen train` run from the same two bases, alternated in one process (seed 0 of e
                  one adherence reward trains both
   joint_staged   the same with a schedule: the enhancer alone for the first half of the steps
                  (models.painter.train_at), then both
+  joint_own      joint with models.painter.reward_against=rewrite: the painter's advantage judges its
+                 images against its own prompt (the rewrite), the enhancer's against the user's
   enhancer_only  the same with models.painter.frozen=true (an enhancer trained for a fixed painter)
   painter_only   the painter alone (NFT, the same settings) on the users' raw prompts
 
 Every arm samples the same images per step (rollout.global_batch_size, 128) with the same painter
-settings and reward (`adherence`, judged against the user's prompt). Overrides: the bases, run.dir,
+settings and reward (`adherence`, judged against the user's prompt; joint_own's painter against its
+rewrite). Overrides: the bases, run.dir,
 run.seed, train.steps (--steps), eval.every (--eval-every), eval.samples_per_prompt (--eval-samples,
 default 8: 384 held-out images per evaluation), checkpoint.every=0, log.progress=none,
 log.tensorboard=false, run.overwrite=true.
@@ -45,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _runs import ROOT, eval_points, git_describe, load_avg, regen, spread  # noqa: E402
 
 KEYS = ["eval/reward", "eval/adherence_accuracy"]
-ARMS = ("joint", "joint_staged", "enhancer_only", "painter_only")
+ARMS = ("joint", "joint_staged", "joint_own", "enhancer_only", "painter_only")
 
 
 def arm_args(arm: str, painter: str, enhancer: str, steps: int) -> list[str]:
@@ -58,6 +61,8 @@ def arm_args(arm: str, painter: str, enhancer: str, steps: int) -> list[str]:
             f"models.painter.model.path={painter}"]
     if arm == "joint_staged":  # stage 1: the enhancer alone; stage 2 (the second half): both
         return args + [f"models.painter.train_at=[[{steps // 2 + 1}, null]]"]
+    if arm == "joint_own":
+        return args + ["models.painter.reward_against=rewrite"]
     return args + (["models.painter.frozen=true"] if arm == "enhancer_only" else [])
 
 
