@@ -103,6 +103,31 @@ def test_a_painter_judged_against_its_rewrite_gets_its_own_scores(enhancer_base,
     assert logged["painter/reward_own"] == pytest.approx(0.45) and logged["painter/missing_frac"] == pytest.approx(1 / 3)
 
 
+def test_the_enhancers_own_reward_terms_apply_to_its_rewrite_rewards(enhancer_base, flow_base, tmp_path):
+    """models.enhancer.algorithm.overlong (DAPO's soft overlong punishment, eq. 13) acts on R_r."""
+    cfg = load_config(RLConfig, None, joint_args(enhancer_base, flow_base, tmp_path / "r")[1:]
+                      + ["rollout.global_batch_size=8", "models.enhancer.rollout.group_size=4",
+                         "models.enhancer.algorithm.overlong={max_len: 7, cache_len: 4, factor: 0.5}"])
+    m = JointModality(cfg, torch.device("cpu"), Dist())
+    from regen.data import load_prompts
+
+    items = load_prompts("builtin:shapes-paraphrase:train", cfg.task, "data.train")[:1]
+    batch = m.sample(m.inputs(items), 8, m.plan(torch.Generator().manual_seed(3), 1))
+    mask = batch.parts["enhancer"].response_mask
+    assert mask.shape[0] == 4 and bool(mask[:, :7].all())  # the tiny base never ends early: cut them here
+    for row, n in enumerate((7, 5, 3, 6)):  # lengths of the rewrites (a penalty equal for all would cancel)
+        mask[row, n:] = 0
+    lengths = [7, 5, 3, 6]
+    rewards = torch.tensor([0.2, 0.4, 0.9, 0.1, 0.4, 0.6, 0.3, 0.3])
+    # by hand: penalty 0 up to 3 tokens, then (3 - |y|) / 4 * 0.5, -0.5 beyond 7
+    want = [r + (0.0 if n <= 3 else -0.5 if n > 7 else (3 - n) / 4 * 0.5)
+            for r, n in zip([0.3, 0.5, 0.5, 0.3], lengths)]
+    mean, std = sum(want) / 4, (sum((w - sum(want) / 4) ** 2 for w in want) / 3) ** 0.5
+    e = m.advantages(rewards, batch, {}).parts["enhancer"]
+    first = e.adv if e.adv.dim() == 1 else e.adv[:, 0]
+    assert first.tolist() == pytest.approx([(w - mean) / (std + 1e-6) for w in want], abs=1e-4)
+
+
 def test_a_run_whose_painter_is_judged_against_its_rewrite(enhancer_base, flow_base, tmp_path):
     """End to end with the real adherence reward: it reads the rewrite's attributes from its words,
     so the painter's own scores are another set than the user-judged ones."""
@@ -223,6 +248,8 @@ def test_a_killed_joint_run_resumes_bitwise_equal(enhancer_base, flow_base, tmp_
     (["models.enhancer.frozen=true", "models.painter.frozen=true"], "every model is frozen"),
     (["models.enhancer.frozen=true", "models.enhancer.train_at=[[1, 2]]"], "frozen: true and train_at contradict"),
     (["models.enhancer.train.steps=3"], "models.enhancer.train.steps: set it once for the run"),
+    (["models.enhancer.algorithm.dynamic_sampling=true"], "models.enhancer.algorithm.dynamic_sampling: not supported "
+     "in a joint run"),
     (["models.painter.reward_against=rewrites"], "models.painter.reward_against: 'user' or 'rewrite', got 'rewrites'"),
     (["models.enhancer.reward_against=rewrite"], "models.enhancer.reward_against: enhancer draws from the user's "
      "prompts, so it is always judged against them"),

@@ -162,6 +162,9 @@ def member_configs(cfg) -> dict[str, Any]:
         unread = member.unread(_given(spec))
         if unread:
             raise ValueError(f"models.{name}: " + "; ".join(unread))
+        if member.algorithm.dynamic_sampling:  # the loop refills a step's groups of one model only
+            raise ValueError(f"models.{name}.algorithm.dynamic_sampling: not supported in a joint run (it would "
+                             "resample the groups of one model of the pipeline)")
         out[name] = member
     return out
 

@@ -10,7 +10,8 @@ painter n_i images of each rewrite (G * n_t * n_i rows, the batch's rows: rewrit
 rows r * n_i ... r * n_i + n_i - 1). Advantages (the routing of one reward to two models):
 
   painter   its method's advantage of the image rewards, each rewrite's n_i images a group
-  enhancer  R_r = mean of rewrite r's image rewards (missing ones left out; none: missing), and
+  enhancer  R_r = mean of rewrite r's image rewards (missing ones left out; none: missing), plus
+            its method's own reward terms (DAPO's overlong penalty on the rewrite's length), and
             its method's advantage of R_r with each prompt's n_t rewrites a group
 
 Every reward judges an image against the user's prompt, except the painter's with
@@ -220,9 +221,9 @@ class JointModality(Modality):
 
     def advantages(self, rewards: torch.Tensor, batch: JointBatch, fixed: dict) -> JointAdvantages:
         own = rewards if batch.own_rewards is None else batch.own_rewards
+        text, _ = self.m[self.first].shape_rewards(rewrite_rewards(rewards, self.n_last), {}, batch.parts[self.first])
         parts = {self.last: self.m[self.last].advantages(own, batch.parts[self.last], fixed.get(self.last, {})),
-                 self.first: self.m[self.first].advantages(rewrite_rewards(rewards, self.n_last),
-                                                           batch.parts[self.first], fixed.get(self.first, {}))}
+                 self.first: self.m[self.first].advantages(text, batch.parts[self.first], fixed.get(self.first, {}))}
         metrics = dict(parts[self.last].metrics)  # reward/missing_frac etc. of the images
         for n, a in parts.items():
             metrics |= {f"{n}/{k}": v for k, v in a.metrics.items()}
