@@ -81,6 +81,8 @@ def main() -> None:
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--eval-samples", type=int, default=8)
     p.add_argument("--only", default=",".join(ARMS), help=f"comma-separated arms among {', '.join(ARMS)}")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="more overrides for every arm but painter_only, e.g. models.painter.optim.lr=3e-5")
     p.add_argument("--out", help="write settings, curves and summary as JSON")
     a = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="regen-joint-"))
@@ -96,7 +98,8 @@ def main() -> None:
         for arm in arms[seed % len(arms):] + arms[: seed % len(arms)]:
             run = work / f"{arm}-{seed}"
             load = load_avg()
-            regen(*arm_args(arm, a.painter, a.enhancer, a.steps), f"run.dir={run}", f"run.seed={seed}",
+            regen(*arm_args(arm, a.painter, a.enhancer, a.steps), *([] if arm == "painter_only" else a.set),
+                  f"run.dir={run}", f"run.seed={seed}",
                   f"train.steps={a.steps}", f"eval.every={a.eval_every}", f"eval.samples_per_prompt={a.eval_samples}",
                   "checkpoint.every=0", "log.progress=none", "log.tensorboard=false", "run.overwrite=true")
             pts = eval_points(run / "metrics.jsonl", KEYS)
