@@ -39,14 +39,21 @@ def test_rewrite_rewards_are_the_mean_of_each_rewrites_images_without_the_missin
     assert got[:2].tolist() == pytest.approx([0.5, 0.6]) and torch.isnan(got[2])
 
 
-def test_advantages_route_the_image_reward_to_both_models(enhancer_base, flow_base, tmp_path):
+def one_prompt_step(enhancer_base, flow_base, tmp_path, rewrites: int, *extra, seed: int = 0):
+    """The modality of a joint run and one sampled step of one user prompt: `rewrites` rewrites of
+    it, 2 images each."""
     cfg = load_config(RLConfig, None, joint_args(enhancer_base, flow_base, tmp_path / "r")[1:]
-                      + ["rollout.global_batch_size=6", "models.enhancer.rollout.group_size=3"])
+                      + [f"rollout.global_batch_size={2 * rewrites}", f"models.enhancer.rollout.group_size={rewrites}",
+                         *extra])
     m = JointModality(cfg, torch.device("cpu"), Dist())
     from regen.data import load_prompts
 
     items = load_prompts("builtin:shapes-paraphrase:train", cfg.task, "data.train")[:1]  # one user prompt
-    batch = m.sample(m.inputs(items), 6, m.plan(torch.Generator().manual_seed(0), 1))
+    return m, items, m.sample(m.inputs(items), 2 * rewrites, m.plan(torch.Generator().manual_seed(seed), 1))
+
+
+def test_advantages_route_the_image_reward_to_both_models(enhancer_base, flow_base, tmp_path):
+    m, items, batch = one_prompt_step(enhancer_base, flow_base, tmp_path, 3)
     assert len(batch.rewrites) == 3 and len(batch) == 6
     # images of rewrite 0: 1, 0; rewrite 1: .6, .2; rewrite 2: missing, .4
     rewards = torch.tensor([1.0, 0.0, 0.6, 0.2, float("nan"), 0.4])
@@ -69,14 +76,7 @@ def test_advantages_route_the_image_reward_to_both_models(enhancer_base, flow_ba
 def test_a_painter_judged_against_its_rewrite_gets_its_own_scores(enhancer_base, flow_base, tmp_path):
     """reward_against=rewrite: the images are scored twice; the painter's advantage from the scores
     against its rewrite, the enhancer's (and the run's rewards) from those against the user's prompt."""
-    cfg = load_config(RLConfig, None, joint_args(enhancer_base, flow_base, tmp_path / "r")[1:]
-                      + ["rollout.global_batch_size=6", "models.enhancer.rollout.group_size=3",
-                         "models.painter.reward_against=rewrite"])
-    m = JointModality(cfg, torch.device("cpu"), Dist())
-    from regen.data import load_prompts
-
-    items = load_prompts("builtin:shapes-paraphrase:train", cfg.task, "data.train")[:1]
-    batch = m.sample(m.inputs(items), 6, m.plan(torch.Generator().manual_seed(0), 1))
+    m, items, batch = one_prompt_step(enhancer_base, flow_base, tmp_path, 3, "models.painter.reward_against=rewrite")
     samples = m.reward_samples(items, batch)
     assert len(samples) == 12 and [s.prompt for s in samples[:6]] == [items[0].prompt] * 6
     assert samples[0].meta["colour"] == items[0].meta["colour"]  # judged against what the user asked
@@ -105,14 +105,8 @@ def test_a_painter_judged_against_its_rewrite_gets_its_own_scores(enhancer_base,
 
 def test_the_enhancers_own_reward_terms_apply_to_its_rewrite_rewards(enhancer_base, flow_base, tmp_path):
     """models.enhancer.algorithm.overlong (DAPO's soft overlong punishment, eq. 13) acts on R_r."""
-    cfg = load_config(RLConfig, None, joint_args(enhancer_base, flow_base, tmp_path / "r")[1:]
-                      + ["rollout.global_batch_size=8", "models.enhancer.rollout.group_size=4",
-                         "models.enhancer.algorithm.overlong={max_len: 7, cache_len: 4, factor: 0.5}"])
-    m = JointModality(cfg, torch.device("cpu"), Dist())
-    from regen.data import load_prompts
-
-    items = load_prompts("builtin:shapes-paraphrase:train", cfg.task, "data.train")[:1]
-    batch = m.sample(m.inputs(items), 8, m.plan(torch.Generator().manual_seed(3), 1))
+    m, _, batch = one_prompt_step(enhancer_base, flow_base, tmp_path, 4,
+                                  "models.enhancer.algorithm.overlong={max_len: 7, cache_len: 4, factor: 0.5}", seed=3)
     mask = batch.parts["enhancer"].response_mask
     assert mask.shape[0] == 4 and bool(mask[:, :7].all())  # the tiny base never ends early: cut them here
     for row, n in enumerate((7, 5, 3, 6)):  # lengths of the rewrites (a penalty equal for all would cancel)
