@@ -46,8 +46,7 @@ def _values(kind: str) -> dict[str, list[str]]:
     """Each attribute's class names, in head order."""
     from regen.tasks import shapes
 
-    where = list(shapes.POSITIONS) if kind == "image" else list(shapes.DIRECTIONS)
-    return {"colour": list(shapes.COLOURS), "shape": list(shapes.SHAPES), HEADS[kind][2][0]: where}
+    return shapes.vocabulary(kind)
 
 
 def _build(kind: str):

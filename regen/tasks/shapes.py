@@ -29,10 +29,15 @@ POSITIONS = {"left": (4.0, 8.0), "right": (12.0, 8.0), "top": (8.0, 4.0), "botto
 DIRECTIONS = {"left": (-1.0, 0.0), "right": (1.0, 0.0), "up": (0.0, -1.0), "down": (0.0, 1.0)}
 
 
+def vocabulary(kind: str) -> dict[str, list[str]]:
+    """Each attribute's values, in prompt order: colour, shape, and position (images) or direction (videos)."""
+    key, where = ("position", POSITIONS) if kind == "image" else ("direction", DIRECTIONS)
+    return {"colour": list(COLOURS), "shape": list(SHAPES), key: list(where)}
+
+
 def _all(kind: str) -> list[dict]:
-    where = POSITIONS if kind == "image" else DIRECTIONS
-    key = "position" if kind == "image" else "direction"
-    return [{"colour": c, "shape": s, key: w} for c in COLOURS for s in SHAPES for w in where]
+    (c_key, colours), (s_key, shapes), (w_key, where) = vocabulary(kind).items()
+    return [{c_key: c, s_key: s, w_key: w} for c in colours for s in shapes for w in where]
 
 
 def prompt_text(meta: dict) -> str:
@@ -46,8 +51,7 @@ def parse_prompt(text: str, kind: str = "image") -> dict | None:
     videos "a red circle moving left"), or None when it is not one: every word must be the
     phrasing's ("a", "at", "the", "moving") or an attribute value, each attribute named exactly
     once (the prompt encoder reads a bag of words, so their order is free)."""
-    key, where = ("position", POSITIONS) if kind == "image" else ("direction", DIRECTIONS)
-    values = {"colour": COLOURS, "shape": SHAPES, key: where}
+    values = vocabulary(kind)
     found: dict[str, list[str]] = {k: [] for k in values}
     for word in text.lower().split():
         hits = [k for k, v in values.items() if word in v]
