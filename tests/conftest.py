@@ -111,14 +111,28 @@ def vlm_base(tmp_path_factory) -> str:
     return str(run / "export")
 
 
+def joint_args(enhancer, painter, run, *extra) -> list[str]:
+    """2 user prompts x 2 rewrites x 2 images per step, 3 ODE steps: a few tenths of a second a step."""
+    return ["train", f"run.dir={run}", "data.train=builtin:shapes-paraphrase:train", "data.eval=null",
+            "rollout.global_batch_size=8", "reward=[{name: brightness, args: {target: 0.6}}]", "train.steps=4",
+            "log.progress=none", "log.tensorboard=false", "run.threads=2",
+            f"models.enhancer={{model: {{path: {enhancer}}}, algorithm: {{name: grpo}}, rollout: {{group_size: 2, "
+            "max_new_tokens: 7}, optim: {lr: 1.0e-3}, feeds: painter}",
+            f"models.painter={{model: {{path: {painter}}}, algorithm: {{name: nft}}, rollout: {{group_size: 2}}, "
+            "flow: {steps: 3, eval_steps: 3}, optim: {lr: 1.0e-3}}", *extra]
+
+
 class Job:
-    """`regen train` of a tiny language model (GRPO on arithmetic), flow model (NFT on shapes) or
-    vision-language model (GRPO on questions about shapes images)."""
+    """`regen train` of a tiny language model (GRPO on arithmetic), flow model (NFT on shapes),
+    vision-language model (GRPO on questions about shapes images) or a joint run (an enhancer LM
+    feeding the shapes painter, `joint_args`; its base is the pair)."""
 
     def __init__(self, kind: str, base):
-        self.kind, self.base = kind, str(base)
+        self.kind, self.base = kind, base if kind == "joint" else str(base)
 
     def args(self, run, *extra) -> list[str]:
+        if self.kind == "joint":
+            return joint_args(*self.base, run, *extra)
         return ["train", f"model.path={self.base}", f"run.dir={run}", *FAST_OF[self.kind], *extra]
 
     def __repr__(self) -> str:
@@ -150,9 +164,15 @@ def same_run(a: Path, b: Path) -> None:
     assert strip(read_jsonl(a / "metrics.jsonl")) == strip(read_jsonl(b / "metrics.jsonl"))
 
 
+def make_job(kind: str, request) -> Job:
+    if kind == "joint":
+        return Job(kind, (request.getfixturevalue("enhancer_base"), request.getfixturevalue("flow_base")))
+    return Job(kind, request.getfixturevalue(BASE_OF[kind]))
+
+
 @pytest.fixture(params=["lm", "flow", "vlm"])
 def job(request) -> Job:
-    return Job(request.param, request.getfixturevalue(BASE_OF[request.param]))
+    return make_job(request.param, request)
 
 
 def nan_at_steps(monkeypatch, steps) -> None:

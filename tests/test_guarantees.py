@@ -1,4 +1,5 @@
-"""The loop's guarantees, each tested for a language model and a flow model alike (`job`):
+"""The loop's guarantees, each tested for a language model and a flow model alike (`job`; the
+first three for a joint run too, `any_job`; its rollback and kill-resume are in test_joint.py):
 missing rewards, unscored steps, scorer versions, a full disk at the final checkpoint, NaN
 rollback, graceful SIGTERM, SIGKILL and exact resume. Faults are real: a reward service
 port nothing listens on, a tmpfs that is too small, real signals to a real process."""
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from regen.cli import main
-from tests.conftest import BASE_OF, Job, NaNAt, read_jsonl, same_run
+from tests.conftest import BASE_OF, Job, NaNAt, make_job, read_jsonl, same_run
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = {"lm": 8, "flow": 4, "vlm": 6}  # of the kill / signal runs
@@ -26,11 +27,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_no_reward_alerts_then_stops_with_a_checkpoint(job, tmp_path, monkeypatch, capsys):
+@pytest.fixture(params=["lm", "flow", "vlm", "joint"])
+def any_job(request) -> Job:
+    return make_job(request.param, request)
+
+
+def test_no_reward_alerts_then_stops_with_a_checkpoint(any_job, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("REGEN_REWARD_TOKEN", "t0ken")
     url = f"http://127.0.0.1:{free_port()}"  # a reward service that is not there
     reward = f"reward=[{{name: remote, args: {{url: '{url}', retries: 1, backoff_s: 0.01, timeout_s: 1}}}}]"
-    assert main(job.args(tmp_path, reward, "train.steps=20", "health.stop_after_unscored_steps=3")) == 2
+    assert main(any_job.args(tmp_path, reward, "train.steps=20", "health.stop_after_unscored_steps=3")) == 2
     assert "no reward came back for 3 consecutive steps" in capsys.readouterr().err
     assert (tmp_path / "checkpoints" / "step_00000003").is_dir()
     rows = read_jsonl(tmp_path / "metrics.jsonl")
@@ -43,7 +49,7 @@ def test_no_reward_alerts_then_stops_with_a_checkpoint(job, tmp_path, monkeypatc
     assert (3, "run_stopped") in kinds
 
 
-def test_resume_alerts_when_the_scorer_version_changed(job, tmp_path, monkeypatch):
+def test_resume_alerts_when_the_scorer_version_changed(any_job, tmp_path, monkeypatch):
     (tmp_path / "versioned.py").write_text(
         "import os\n"
         "def score(samples):  # exact match for text, brightness for images\n"
@@ -56,12 +62,12 @@ def test_resume_alerts_when_the_scorer_version_changed(job, tmp_path, monkeypatc
     run = tmp_path / "run"
     reward = "reward=[{name: 'versioned:score'}]"
     monkeypatch.setenv("SCORER_VERSION", "1")
-    assert main(job.args(run, reward, "train.steps=2")) == 0
+    assert main(any_job.args(run, reward, "train.steps=2")) == 0
     state = json.loads((run / "checkpoints" / "step_00000002" / "state.json").read_text())
     assert state["reward_versions"] == {"versioned:score": "1"}
     monkeypatch.delitem(sys.modules, "versioned")
     monkeypatch.setenv("SCORER_VERSION", "2")
-    assert main(job.args(run, reward, "train.steps=3", "--resume")) == 0
+    assert main(any_job.args(run, reward, "train.steps=3", "--resume")) == 0
     alerts = read_jsonl(run / "alerts.jsonl")
     assert [a["kind"] for a in alerts] == ["scorer_version_changed"] and alerts[0]["step"] == 3
 
@@ -78,9 +84,9 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(where)], capture_output=True)
 
 
-def test_full_disk_at_the_final_checkpoint_is_an_error_not_a_traceback(job, small_disk, capsys):
+def test_full_disk_at_the_final_checkpoint_is_an_error_not_a_traceback(any_job, small_disk, capsys):
     run = small_disk / "run"
-    assert main(job.args(run, "train.steps=2", "checkpoint.every=1")) == 2
+    assert main(any_job.args(run, "train.steps=2", "checkpoint.every=1")) == 2
     assert "the final checkpoint could not be written" in capsys.readouterr().err
     failed = [a for a in read_jsonl(run / "alerts.jsonl") if a["kind"] == "checkpoint_failed"]
     assert [a["step"] for a in failed] == [1, 2]  # the periodic one too: training went on after it

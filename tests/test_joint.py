@@ -3,8 +3,10 @@ image reward trains both. The advantage routing against hand-computed values, a 
 resumes bitwise equal, rollback of both models, frozen models and schedules, export of both,
 and the config errors of a miswired pipeline."""
 
+import re
 import subprocess
 import sys
+from html import escape
 from pathlib import Path
 
 import pytest
@@ -14,20 +16,9 @@ from regen.cli import main
 from regen.config import RLConfig, load_config
 from regen.modalities.joint import JointModality, rewrite_rewards
 from regen.runtime.dist import Dist
-from tests.conftest import NaNAt, export_weights, read_jsonl, same_run, sigkill_after_checkpoint
+from tests.conftest import NaNAt, export_weights, joint_args, read_jsonl, same_run, sigkill_after_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def joint_args(enhancer, painter, run, *extra) -> list[str]:
-    """2 user prompts x 2 rewrites x 2 images per step, 3 ODE steps: a few tenths of a second a step."""
-    return ["train", f"run.dir={run}", "data.train=builtin:shapes-paraphrase:train", "data.eval=null",
-            "rollout.global_batch_size=8", "reward=[{name: brightness, args: {target: 0.6}}]", "train.steps=4",
-            "log.progress=none", "log.tensorboard=false", "run.threads=2",
-            f"models.enhancer={{model: {{path: {enhancer}}}, algorithm: {{name: grpo}}, rollout: {{group_size: 2, "
-            "max_new_tokens: 7}, optim: {lr: 1.0e-3}, feeds: painter}",
-            f"models.painter={{model: {{path: {painter}}}, algorithm: {{name: nft}}, rollout: {{group_size: 2}}, "
-            "flow: {steps: 3, eval_steps: 3}, optim: {lr: 1.0e-3}}", *extra]
 
 
 # ---------------------------------------------------------------- the routing of one reward
@@ -156,12 +147,18 @@ def test_joint_run_exports_both_models_loadable_as_they_are(enhancer_base, flow_
     rows = read_jsonl(run / "metrics.jsonl")
     steps = [r for r in rows if "reward/mean" in r]
     assert all(r["enhancer/trained"] == 1.0 and r["painter/trained"] == 1.0 for r in steps)
-    assert all(r["enhancer/lr"] == 1e-3 and "painter/grad_norm" in r for r in steps)
+    # each model its own learning rate; the run's optim.lr (which trains neither) is not logged as "lr"
+    assert all(r["enhancer/lr"] == r["painter/lr"] == 1e-3 and "lr" not in r and "painter/grad_norm" in r for r in steps)
     kept = read_jsonl(run / "samples" / "step_00000004.jsonl")
     assert all(r["prompt"].endswith("->") and "rewrite" in r and (run / r["image"]).is_file() for r in kept)
     for step in (2, 4):
         folder = run / "checkpoints" / f"step_{step:08d}"
         assert (folder / "enhancer" / "model").is_dir() and (folder / "painter" / "model").is_dir()
+    assert main(["report", str(run)]) == 0  # the rewrite above each image; the learning rate of each model
+    html = (run / "report.html").read_text()
+    assert f'<span class="lbl">rewrite</span>{escape(kept[0]["rewrite"])}' in html
+    lr_chart = re.search(r'data-chart="lr".*?</figure>', html, re.S).group(0)
+    assert 'data-label="enhancer/lr" data-n="4"' in lr_chart and 'data-label="painter/lr" data-n="4"' in lr_chart
     for source in (run, run / "checkpoints" / "step_00000004"):  # regen eval takes one model: said so, by name
         assert main(["eval", str(source)]) == 2
         err = capsys.readouterr().err

@@ -50,6 +50,7 @@ class Modality:
 
     kind = "?"
     METRICS: dict = {}  # algorithm metrics every metrics row holds, with these values when not computed
+    PER_MODEL_LR = False  # a joint run logs each model's learning rate (NAME/lr) instead of the run's "lr"
     unit = 1  # rows kept together when minibatches are shuffled (LM: whole groups when they fit)
     share = 1  # rows kept together when a minibatch is split over ranks
 

@@ -96,6 +96,7 @@ def rewrite_rewards(rewards: torch.Tensor, n: int) -> torch.Tensor:
 
 
 class JointModality(Modality):
+    PER_MODEL_LR = True  # the run's optim.lr trains neither model: enhancer/lr, painter/lr are logged
     kind = "joint"
 
     def __init__(self, cfg, device: torch.device, dist, state: dict | None = None, alerts=None):

@@ -95,7 +95,7 @@ def charts_for(runs: list[Run]) -> list[Chart]:
         Chart("dpo-rewards", "DPO implicit rewards: chosen, rejected, margin",
               ["rewards/chosen", "rewards/rejected", "rewards/margin"]),
         Chart("dpo-accuracy", "DPO: chosen preferred (fraction of pairs)", ["rewards/accuracy"]),
-        Chart("lr", "learning rate", ["lr"]),
+        Chart("lr", "learning rate", ["lr", *sorted(k for k in keys if k.endswith("/lr") and k.count("/") == 1)]),
     ]
     shown = {k for c in charts for k in c.keys}
     charts += [Chart(f"eval-{k}", k, [k], points=True) for k in sorted(k for k in keys if k.startswith("eval/")

@@ -111,7 +111,8 @@ def train(cfg, resume: bool = False, force: bool = False) -> dict:
             run.hooks.enter("sync")  # distributed.colocate: a sleeping vLLM engine wakes to take them
             sync_m = run.rollout.sync(step)
 
-            metrics = step_metrics(rewards, parts, adv.metrics, upd, lr, (t0, t1, t_wait, t2, t3), m.METRICS)
+            metrics = step_metrics(rewards, parts, adv.metrics, upd, None if m.PER_MODEL_LR else lr,
+                                   (t0, t1, t_wait, t2, t3), m.METRICS)
             metrics.update({**m.batch_metrics(batch), **run.reward.stats(), **run.rollout.stats(), **sync_m, **dyn,
                             **run.observe_tasks(items, rewards),  # multi-task: per-task metrics, dynamic weights
                             **(run.memory.pop() if run.memory else {})})  # colocate: each phase's peak memory
@@ -148,7 +149,7 @@ def _done(value) -> Future:
     return f
 
 
-def step_metrics(rewards, parts, adv_m, upd: dict, lr: float, times, defaults: dict) -> dict[str, float]:
+def step_metrics(rewards, parts, adv_m, upd: dict, lr: float | None, times, defaults: dict) -> dict[str, float]:
     """The metrics.jsonl row of one step (see README: The run directory)."""
     t0, t1, t_wait, t2, t3 = times
     finite = rewards[torch.isfinite(rewards)]
@@ -162,7 +163,7 @@ def step_metrics(rewards, parts, adv_m, upd: dict, lr: float, times, defaults: d
         "loss": upd.pop("loss", float("nan")),
         **defaults,  # the modality's algorithm metrics when the update did not report them
         **upd,
-        "lr": lr,
+        **({} if lr is None else {"lr": lr}),
         "time/sample_s": t1 - t0,
         "time/logprob_s": t_wait - t1,  # fixed terms (reference / behaviour passes), overlapped with scoring
         "time/score_s": t2 - t_wait,  # waiting for scores after that overlap
