@@ -17,9 +17,9 @@ regen train` run from the same two bases, alternated in one process (seed 0 of e
 
 Every arm samples the same images per step (rollout.global_batch_size, 128) with the same painter
 settings and reward (`adherence`, judged against the user's prompt; joint_own's painter against its
-rewrite). Overrides: the bases, run.dir,
-run.seed, train.steps (--steps), eval.every (--eval-every), eval.samples_per_prompt (--eval-samples,
-default 8: 384 held-out images per evaluation), checkpoint.every=0, log.progress=none,
+rewrite). Overrides: the bases, run.dir, run.seed, train.steps (--steps; --arm-steps ARM=N for
+one arm), eval.every (--eval-every, scaled with an arm's steps), eval.samples_per_prompt
+(--eval-samples, default 8: 384 held-out images per evaluation), checkpoint.every=0, log.progress=none,
 log.tensorboard=false, run.overwrite=true.
 
 Measures from each run's metrics.jsonl: held-out reward (`eval/reward`, the adherence: mean
@@ -61,9 +61,9 @@ def arm_args(arm: str, painter: str, enhancer: str, steps: int) -> list[str]:
             f"models.painter.model.path={painter}"]
     if arm == "joint_staged":  # stage 1: the enhancer alone; stage 2 (the second half): both
         return args + [f"models.painter.train_at=[[{steps // 2 + 1}, null]]"]
-    if arm == "joint_own":
-        return args + ["models.painter.reward_against=rewrite"]
-    return args + (["models.painter.frozen=true"] if arm == "enhancer_only" else [])
+    if arm == "enhancer_only":  # a frozen painter has no advantage to judge: reward_against is refused with it
+        return args + ["models.painter.frozen=true", "models.painter.reward_against=user"]
+    return args + [f"models.painter.reward_against={'rewrite' if arm == 'joint_own' else 'user'}"]
 
 
 def at_budget(points: dict, budget: float) -> list[float]:
@@ -83,8 +83,17 @@ def main() -> None:
     p.add_argument("--only", default=",".join(ARMS), help=f"comma-separated arms among {', '.join(ARMS)}")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="more overrides for every arm but painter_only, e.g. models.painter.optim.lr=3e-5")
+    p.add_argument("--arm-steps", nargs="*", default=[], metavar="ARM=N",
+                   help="another step count for an arm (its evaluations every --eval-every x N / --steps steps), "
+                        "e.g. enhancer_only=440 to give the frozen painter the joint runs' wall-clock")
     p.add_argument("--out", help="write settings, curves and summary as JSON")
     a = p.parse_args()
+    arm_steps = {}
+    for kv in a.arm_steps:
+        arm, _, n = kv.partition("=")
+        if arm not in ARMS or not n.isdigit() or int(n) < 1:
+            p.error(f"--arm-steps {kv}: expected ARM=N with ARM among {', '.join(ARMS)} and N a positive integer")
+        arm_steps[arm] = int(n)
     work = Path(tempfile.mkdtemp(prefix="regen-joint-"))
     for name, cfg in (("painter", "shapes_sft.yaml"), ("enhancer", "shapes_enhancer_sft.yaml")):
         if getattr(a, name) is None:
@@ -98,9 +107,10 @@ def main() -> None:
         for arm in arms[seed % len(arms):] + arms[: seed % len(arms)]:
             run = work / f"{arm}-{seed}"
             load = load_avg()
-            regen(*arm_args(arm, a.painter, a.enhancer, a.steps), *([] if arm == "painter_only" else a.set),
-                  f"run.dir={run}", f"run.seed={seed}",
-                  f"train.steps={a.steps}", f"eval.every={a.eval_every}", f"eval.samples_per_prompt={a.eval_samples}",
+            steps = arm_steps.get(arm, a.steps)
+            regen(*arm_args(arm, a.painter, a.enhancer, steps), *([] if arm == "painter_only" else a.set),
+                  f"run.dir={run}", f"run.seed={seed}", f"train.steps={steps}",
+                  f"eval.every={max(1, round(a.eval_every * steps / a.steps))}", f"eval.samples_per_prompt={a.eval_samples}",
                   "checkpoint.every=0", "log.progress=none", "log.tensorboard=false", "run.overwrite=true")
             pts = eval_points(run / "metrics.jsonl", KEYS)
             runs[arm].append({"seed": seed, "load_before": load, **pts})

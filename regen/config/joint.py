@@ -101,7 +101,8 @@ def check_spec(name: str, spec: Any) -> None:
     if against not in ("user", "rewrite"):
         raise ValueError(f"models.{name}.reward_against: 'user' or 'rewrite', got {against!r}")
     if against == "rewrite" and spec.get("frozen"):
-        raise ValueError(f"models.{name}.reward_against: read only when {name} trains, and it is frozen")
+        raise ValueError(f"models.{name}.reward_against: read only when {name} trains, and it is frozen "
+                         "(remove reward_against, or set it to user, with frozen: true)")
     if not isinstance(spec.get("frozen", False), bool):
         raise ValueError(f"models.{name}.frozen: true or false, got {spec['frozen']!r}")
 
