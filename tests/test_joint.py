@@ -133,7 +133,7 @@ def test_joint_run_exports_both_models_loadable_as_they_are(enhancer_base, flow_
     run = tmp_path / "j"
     assert main(joint_args(enhancer_base, flow_base, run, "data.eval=builtin:shapes-paraphrase:test",
                            "eval.every=4", "eval.num_prompts=3", "checkpoint.every=2", "log.progress=lines",
-                           "log.every=4")) == 0
+                           "log.every=4", "models.enhancer.algorithm.kl_coef=0.1")) == 0
     assert "[enhancer:grpo+painter:nft] step 4/4" in capsys.readouterr().err  # each model's method, not the root's
     from transformers import AutoModelForCausalLM
 
@@ -149,6 +149,9 @@ def test_joint_run_exports_both_models_loadable_as_they_are(enhancer_base, flow_
     assert all(r["enhancer/trained"] == 1.0 and r["painter/trained"] == 1.0 for r in steps)
     # each model its own learning rate; the run's optim.lr (which trains neither) is not logged as "lr"
     assert all(r["enhancer/lr"] == r["painter/lr"] == 1e-3 and "lr" not in r and "painter/grad_norm" in r for r in steps)
+    # the enhancer's KL to its SFT policy (the example's kl_coef): none before its first update, then some;
+    # the run's kl (what the health monitor watches) is the larger of the models'
+    assert steps[0]["enhancer/kl"] == 0.0 and steps[-1]["enhancer/kl"] > 0 and steps[-1]["kl"] == steps[-1]["enhancer/kl"]
     kept = read_jsonl(run / "samples" / "step_00000004.jsonl")
     assert all(r["prompt"].endswith("->") and "rewrite" in r and (run / r["image"]).is_file() for r in kept)
     for step in (2, 4):
