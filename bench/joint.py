@@ -77,6 +77,7 @@ def main() -> None:
     p.add_argument("--painter", help="the painter's base (default: built from examples/shapes_sft.yaml)")
     p.add_argument("--enhancer", help="the enhancer's base (default: built from examples/shapes_enhancer_sft.yaml)")
     p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--first-seed", type=int, default=0, help="run.seed F..F+N-1 (default 0), to add seeds to a benchmark")
     p.add_argument("--steps", type=int, default=250)
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--eval-samples", type=int, default=8)
@@ -103,7 +104,7 @@ def main() -> None:
     arms = [x for x in ARMS if x in a.only.split(",")]
     print(f"regen {git_describe()}, threads 2 per run, load average {load_avg()} at the start", flush=True)
     runs: dict[str, list[dict]] = {x: [] for x in arms}
-    for seed in range(a.seeds):
+    for seed in range(a.first_seed, a.first_seed + a.seeds):
         for arm in arms[seed % len(arms):] + arms[: seed % len(arms)]:
             run = work / f"{arm}-{seed}"
             load = load_avg()
