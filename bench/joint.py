@@ -2,7 +2,9 @@
 
 The task (regen/tasks/shapes_paraphrase.py): user prompts for the 16x16 shapes painter written in
 synonyms its prompt encoder does not know ("draw a crimson disc on the west side ->"), evaluated on
-held-out attribute combinations in held-out phrasings (48 prompts). Four arms, each a `python -m
+48 held-out user prompts (--eval-data): by default the training attribute combinations in phrasings
+training never uses (builtin:shapes-paraphrase:phrasings), or the held-out combinations in those
+phrasings (builtin:shapes-paraphrase:test). Four arms, each a `python -m
 regen train` run from the same two bases, alternated in one process (seed 0 of every arm, then seed
 1 with the order rotated by one, ...), so that machine drift hits all alike:
 
@@ -17,7 +19,7 @@ regen train` run from the same two bases, alternated in one process (seed 0 of e
 
 Every arm samples the same images per step (rollout.global_batch_size, 128) with the same painter
 settings and reward (`adherence`, judged against the user's prompt; joint_own's painter against its
-rewrite). Overrides: the bases, run.dir, run.seed, train.steps (--steps; --arm-steps ARM=N for
+rewrite). Overrides: the bases, data.eval (--eval-data), run.dir, run.seed, train.steps (--steps; --arm-steps ARM=N for
 one arm), eval.every (--eval-every, scaled with an arm's steps), eval.samples_per_prompt
 (--eval-samples, default 8: 384 held-out images per evaluation), checkpoint.every=0, log.progress=none,
 log.tensorboard=false, run.overwrite=true.
@@ -51,14 +53,14 @@ KEYS = ["eval/reward", "eval/adherence_accuracy"]
 ARMS = ("joint", "joint_staged", "joint_own", "enhancer_only", "painter_only")
 
 
-def arm_args(arm: str, painter: str, enhancer: str, steps: int) -> list[str]:
+def arm_args(arm: str, painter: str, enhancer: str, steps: int, eval_data: str) -> list[str]:
     if arm == "painter_only":  # the painter of shapes_joint.yaml, alone, on the raw prompts
         return ["train", f"model.path={painter}", "algorithm.name=nft", "data.train=builtin:shapes-paraphrase:train",
-                "data.eval=builtin:shapes-paraphrase:test", "rollout.global_batch_size=128", "rollout.group_size=2",
+                f"data.eval={eval_data}", "rollout.global_batch_size=128", "rollout.group_size=2",
                 "flow.steps=6", "flow.eval_steps=10", "optim.lr=1.0e-4", "reward=[{name: adherence}]",
                 "eval.num_prompts=48", "run.threads=2"]
     args = ["train", str(ROOT / "examples" / "shapes_joint.yaml"), f"models.enhancer.model.path={enhancer}",
-            f"models.painter.model.path={painter}"]
+            f"models.painter.model.path={painter}", f"data.eval={eval_data}"]
     if arm == "joint_staged":  # stage 1: the enhancer alone; stage 2 (the second half): both
         return args + [f"models.painter.train_at=[[{steps // 2 + 1}, null]]"]
     if arm == "enhancer_only":  # a frozen painter has no advantage to judge: reward_against is refused with it
@@ -81,6 +83,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=250)
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--eval-samples", type=int, default=8)
+    p.add_argument("--eval-data", default="builtin:shapes-paraphrase:phrasings",
+                   help="held-out user prompts (default: the training combinations in held-out phrasings; "
+                        "builtin:shapes-paraphrase:test: held-out combinations in held-out phrasings)")
     p.add_argument("--only", default=",".join(ARMS), help=f"comma-separated arms among {', '.join(ARMS)}")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="more overrides for every arm but painter_only, e.g. models.painter.optim.lr=3e-5")
@@ -109,7 +114,7 @@ def main() -> None:
             run = work / f"{arm}-{seed}"
             load = load_avg()
             steps = arm_steps.get(arm, a.steps)
-            regen(*arm_args(arm, a.painter, a.enhancer, steps), *([] if arm == "painter_only" else a.set),
+            regen(*arm_args(arm, a.painter, a.enhancer, steps, a.eval_data), *([] if arm == "painter_only" else a.set),
                   f"run.dir={run}", f"run.seed={seed}", f"train.steps={steps}",
                   f"eval.every={max(1, round(a.eval_every * steps / a.steps))}", f"eval.samples_per_prompt={a.eval_samples}",
                   "checkpoint.every=0", "log.progress=none", "log.tensorboard=false", "run.overwrite=true")

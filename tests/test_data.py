@@ -60,6 +60,40 @@ def test_missing_file_and_unknown_builtin(tmp_path):
         load_prompts("builtin:poetry:train", TaskConfig(), "data.train")
 
 
+def test_paraphrase_splits_hold_out_phrasings_and_combinations():
+    """The joint demo's user prompts: `phrasings` is every training combination in the phrasings
+    training never uses; `test` the held-out combinations in those phrasings."""
+    from regen.tasks import shapes
+    from regen.tasks.shapes_paraphrase import SYNONYMS
+
+    task = TaskConfig()
+    keys = ("colour", "shape", "position")
+    split = {s: load_prompts(f"builtin:shapes-paraphrase:{s}", task, "data.eval") for s in ("train", "test", "phrasings")}
+    combos = {s: {tuple(p.meta[k] for k in keys) for p in rows} for s, rows in split.items()}
+    train_c, test_c = (({tuple(m[k] for k in keys) for m in part}) for part in shapes.split("image"))
+    assert combos["train"] == combos["phrasings"] == train_c and combos["test"] == test_c and not train_c & test_c
+
+    def opening(prompt: str) -> str:  # the phrasing: the words that are no attribute or synonym
+        attrs = {w for k, v in SYNONYMS.items() for w in (k, *v)}
+        return " ".join("_" if w in attrs else w for w in prompt.split())
+
+    train_phr = {opening(p.prompt) for p in split["train"]}
+    for s in ("test", "phrasings"):
+        assert not {opening(p.prompt) for p in split[s]} & train_phr, s
+        assert not {p.prompt for p in split[s]} & {p.prompt for p in split["train"]}
+    phr = split["phrasings"]
+    assert len(phr) == 2 * len(train_c)
+    # the first 48 (eval.num_prompts of the example) hold each combination once, in both phrasings
+    first = phr[: len(train_c)]
+    assert {tuple(p.meta[k] for k in keys) for p in first} == train_c
+    assert len({opening(p.prompt) for p in first}) == 2
+    # users write synonyms only: no attribute word the painter knows
+    painter_words = set(shapes.COLOURS) | set(shapes.SHAPES) | set(shapes.POSITIONS)
+    assert not {w for p in phr for w in p.prompt.split()} & painter_words
+    with pytest.raises(DataError, match="builtin:shapes-paraphrase:phrasings"):
+        load_prompts("builtin:shapes-paraphrase:heldout", task, "data.eval")
+
+
 def test_demos_need_completion(tmp_path):
     f = tmp_path / "d.jsonl"
     f.write_text('{"prompt": "1+1="}\n')

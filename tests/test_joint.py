@@ -3,6 +3,7 @@ image reward trains both. The advantage routing against hand-computed values, a 
 resumes bitwise equal, rollback of both models, frozen models and schedules, export of both,
 and the config errors of a miswired pipeline."""
 
+import json
 import re
 import subprocess
 import sys
@@ -162,10 +163,27 @@ def test_joint_run_exports_both_models_loadable_as_they_are(enhancer_base, flow_
     assert f'<span class="lbl">rewrite</span>{escape(kept[0]["rewrite"])}' in html
     lr_chart = re.search(r'data-chart="lr".*?</figure>', html, re.S).group(0)
     assert 'data-label="enhancer/lr" data-n="4"' in lr_chart and 'data-label="painter/lr" data-n="4"' in lr_chart
-    for source in (run, run / "checkpoints" / "step_00000004"):  # regen eval takes one model: said so, by name
-        assert main(["eval", str(source)]) == 2
-        err = capsys.readouterr().err
-        assert "joint run's (models: enhancer, painter)" in err and "RUN/export/NAME" in err
+    # regen eval of the run and of its checkpoint: the pipeline, as the run's own evaluation at that step
+    # (loaded from the checkpoint's files, not the run's memory), and on other prompts with --data
+    logged = next(r for r in rows if r["step"] == 4 and "eval/reward" in r)
+    samples_before = sorted(p.relative_to(run) for p in (run / "samples").rglob("*"))
+    for source in (run, run / "checkpoints" / "step_00000004"):
+        out = tmp_path / f"{source.name}.json"
+        assert main(["eval", str(source), "--out", str(out), "--show", "1"]) == 0
+        assert "rewrite" in capsys.readouterr().out
+        got = json.loads(out.read_text())
+        assert got["settings"]["checkpoint"] == "step_00000004"
+        for k in ("reward", "adherence_accuracy", "rewrite_words"):
+            assert got["metrics"][k] == pytest.approx(logged[f"eval/{k}"], abs=1e-6), k
+        assert [r["rewrite"] for r in got["samples"]] == [r["rewrite"] for r in kept]
+    assert main(["eval", str(run), "--data", "builtin:shapes-paraphrase:phrasings", "--num-prompts", "2",
+                 "--samples-per-prompt", "1", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["settings"]["num_prompts"] == 2 and 0.0 <= got["metrics"]["reward"] <= 1.0
+    assert (run / "eval" / "eval_step_00000004.json").is_file()
+    assert sorted(p.relative_to(run) for p in (run / "samples").rglob("*")) == samples_before  # the run's stay its own
+    assert main(["eval", str(run), "--temperature", "0.5"]) == 2  # an LM flag the pipeline does not read
+    assert "--temperature not read for a joint run" in capsys.readouterr().err
 
 
 def test_frozen_and_scheduled_models(enhancer_base, flow_base, tmp_path):

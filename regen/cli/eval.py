@@ -2,6 +2,7 @@
 
 SOURCE is one of
   - a run directory: its newest valid checkpoint, else its export/; settings from its config.yaml
+    (a joint run's, config `models:`: the pipeline of its models, regen/cli/eval_joint.py)
   - a checkpoint folder (RUN/checkpoints/step_NNNNNNNN): verified, LoRA adapters merged into
     their base; settings from the run's config.yaml when it sits in a run directory
   - a model folder (an export/, any Hugging Face causal LM) or a hub id: built-in defaults
@@ -51,12 +52,10 @@ def resolve_source(src: str) -> Source:
         raise UserError(f"eval: '{src}' is a file, not a run directory, checkpoint or model folder")
     if (p / "manifest.json").is_file():  # one checkpoint
         ckpt.verify(p)
-        refuse_joint(src, p)
         in_run = p.parent.name == "checkpoints" and (p.parent.parent / "config.yaml").is_file()
         run = p.parent.parent if in_run else None
         return Source(p / "model", p.name, run)
     if (p / "checkpoints").is_dir() or (p / "config.yaml").is_file():  # a run directory
-        refuse_joint(src, p)
         folder, warnings = ckpt.latest_valid(p)
         for w in warnings:
             print(f"warning: {w}", file=sys.stderr)
@@ -78,22 +77,6 @@ MODEL_MARKERS = ("config.json", "adapter_config.json", "flow_policy.json", "mode
 
 def is_model_folder(p: Path) -> bool:
     return any((p / name).is_file() for name in MODEL_MARKERS)
-
-
-def refuse_joint(src: str, p: Path) -> None:
-    """A joint run (models:) or one of its checkpoints holds several models; its evaluation (the
-    enhancer's rewrite drawn by the painter, judged against the user's prompt) is the run's own."""
-    names = sorted(q.name for q in p.iterdir() if (q / "model").is_dir()) if not (p / "model").exists() else []
-    if not names and (p / "config.yaml").is_file():
-        try:
-            tree = yaml.safe_load((p / "config.yaml").read_text())
-        except yaml.YAMLError:
-            tree = None  # load_run_config names the problem
-        names = sorted(tree["models"]) if isinstance(tree, dict) and isinstance(tree.get("models"), dict) else []
-    if names:
-        raise UserError(f"eval: '{src}' is a joint run's (models: {', '.join(names)}); regen eval takes one model. Its "
-                        "joint held-out evaluation is in the run's metrics.jsonl (eval/* every eval.every steps); one "
-                        "model alone: regen eval RUN/export/NAME (after the run) with --data and --reward for it")
 
 
 def load_run_config(path: Path, max_new_tokens: int | None):
@@ -240,6 +223,12 @@ def run(args) -> dict:
         raise UserError("eval: give a run directory, checkpoint or model folder (SOURCE or --model)")
     if args.source and args.model and args.source != args.model:
         raise UserError("eval: give SOURCE or --model, not both")
+    from regen.cli.eval_joint import joint_names, run_joint
+
+    p = Path(given).expanduser()
+    names = joint_names(p) if p.is_dir() else []
+    if names:  # a joint run (models:) or one of its checkpoints: the pipeline, as its own evaluations
+        return run_joint(args, given, p, names)
     source = resolve_source(given)
     config_path = Path(args.config) if args.config else (source.run_dir / "config.yaml" if source.run_dir else None)
     if args.config and not config_path.is_file():
@@ -310,7 +299,9 @@ def _num(v: float) -> float | None:
 def print_table(result: dict, show: int) -> None:
     s, m = result["settings"], result["metrics"]
     print(f"model   {s['model']}")
-    if "eval_steps" in s:  # a flow model
+    if "models" in s:  # a joint run
+        how = f"images: {s['models'][0]}'s greedy rewrite, {s['models'][-1]}'s ODE samples ({s['eval_steps']} steps)"
+    elif "eval_steps" in s:  # a flow model
         how = f"ODE samples ({s['eval_steps']} steps)"
     else:
         how = "greedy" if s["greedy"] else f"samples at temperature {s['temperature']:g}"
@@ -329,6 +320,7 @@ def print_table(result: dict, show: int) -> None:
             reward = "  -  " if r.get("reward") is None else f"{r['reward']:.3f}"
             answer = f"  answer {json.dumps(r['answer'], ensure_ascii=False)}" if "answer" in r else ""
             shown = f" -> {_short(r['completion'])}" if "completion" in r else ""
+            shown = f" -> rewrite {_short(r['rewrite'])}" if "rewrite" in r else shown
             print(f"  reward {reward}  {_short(r['prompt'])}{shown}{answer}")
 
 

@@ -36,12 +36,15 @@ class PrefPair:
 
 
 BUILTIN_TASKS = ("arithmetic", "shapes", "moving-shapes", "shapes-vqa", "shapes-paraphrase")
+# Splits beyond train / test: shapes-paraphrase:phrasings holds the training attribute combinations in
+# the held-out phrasings (regen/tasks/shapes_paraphrase.py).
+EXTRA_SPLITS = {"shapes-paraphrase": ("phrasings",)}
 
 
 def _builtin(spec: str, tasks: tuple[str, ...] = ("arithmetic",)) -> tuple[str, str]:
     parts = spec.split(":")
-    if len(parts) != 3 or parts[1] not in tasks or parts[2] not in ("train", "test"):
-        known = ", ".join(f"builtin:{t}:{s}" for t in tasks for s in ("train", "test"))
+    if len(parts) != 3 or parts[1] not in tasks or parts[2] not in ("train", "test", *EXTRA_SPLITS.get(parts[1], ())):
+        known = ", ".join(f"builtin:{t}:{s}" for t in tasks for s in ("train", "test", *EXTRA_SPLITS.get(t, ())))
         raise DataError(f"unknown built-in data '{spec}' (known here: {known})")
     return parts[1], parts[2]
 

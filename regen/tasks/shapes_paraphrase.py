@@ -10,9 +10,9 @@ target is drawn at random, so which colour "crimson" is it can only learn from t
 images, through the reward.
 
 Rows carry the attributes (colour, shape, position) so the `adherence` reward judges each image
-against what the user asked. Held out for evaluation: the 12 attribute combinations the shapes
-task holds out, written in phrasings (templates) that training never uses (new orders of the
-training phrasings' words).
+against what the user asked. Held out for evaluation, in phrasings (templates) that training never uses (new
+orders of the training phrasings' words): `phrasings`, the training attribute combinations, and
+`test`, the 12 combinations the shapes task holds out.
 """
 
 from __future__ import annotations
@@ -40,10 +40,22 @@ def _text(template: str, c: str, s: str, p: str) -> str:
 
 
 def prompts(split_name: str) -> list[PromptItem]:
-    """User prompts in synonyms: every train combination in each training phrasing, with the
-    synonyms drawn per row; the held-out combinations in the held-out phrasings, each with both
-    synonyms of every word."""
+    """User prompts in synonyms.
+    train: every training combination in each training phrasing, the synonyms drawn per row.
+    test: the held-out combinations in the held-out phrasings, each with both synonyms of every word
+      (new phrasings of combinations training never shows: what the enhancer's rewriting generalises to).
+    phrasings: the training combinations in the held-out phrasings, the synonyms drawn per row; the
+      first 48 rows hold each combination once (phrasings alternating), the next 48 each in its other
+      phrasing (new phrasings of what training draws: where the painter's own learning counts too)."""
     train, test = shapes.split("image")
+    if split_name == "phrasings":
+        rng = random.Random(SEED + 2)
+        rows = []
+        for r in range(len(TEST_TEMPLATES)):
+            for i, m in enumerate(train):
+                words = [rng.choice(SYNONYMS[m[k]]) for k in ("colour", "shape", "position")]
+                rows.append(PromptItem(_text(TEST_TEMPLATES[(i + r) % len(TEST_TEMPLATES)], *words), dict(m)))
+        return rows
     rng = random.Random(SEED + (split_name == "test"))
     rows = []
     if split_name == "train":
