@@ -49,14 +49,17 @@ def run_joint(args, given: str, p: Path, names: list[str]) -> dict:
         raise UserError(f"eval: {', '.join(used_flags)} not read for a joint run ({given}: models "
                         f"{', '.join(names)}): its enhancer rewrites greedily with its own settings and its painter "
                         "samples with the ODE (flow.eval_steps); evaluate one model with regen eval RUN/export/NAME")
+    # the checkpoint loaded once (load_checkpoint verifies its checksums): a run's newest valid one
+    state = None
     if (p / "manifest.json").is_file():
-        ckpt.verify(p)
-        folder, run_dir = p, p.parent.parent
+        state, run_dir = ckpt.load_checkpoint(p), p.parent.parent
     else:
         run_dir = p
-        folder, warnings = ckpt.latest_valid(p)
-        for w in warnings:
-            print(f"warning: {w}", file=sys.stderr)
+        if ckpt.list_checkpoints(p):
+            try:
+                state = ckpt.load_latest(p, warn=lambda m: print(m, file=sys.stderr))
+            except UserError:
+                state = None  # none valid: the export below
     config_path = Path(args.config) if args.config else run_dir / "config.yaml"
     if not config_path.is_file():
         raise UserError(f"eval: '{given}' is a joint run's checkpoint without its run's config.yaml beside it "
@@ -69,8 +72,8 @@ def run_joint(args, given: str, p: Path, names: list[str]) -> dict:
             if flag != "seed" and value < 1:
                 raise UserError(f"--{flag.replace('_', '-')} must be at least 1")
             overrides.append(f"{key}={value}")
-    state, label = None, "export"
-    if folder is None:  # no checkpoint: the exported models
+    label = "export" if state is None else state["folder"].name
+    if state is None:  # no checkpoint: the exported models
         for n in names:
             if not (run_dir / "export" / n).is_dir():
                 raise UserError(f"eval: joint run '{given}' has no valid checkpoint and no export/{n}")
@@ -81,8 +84,6 @@ def run_joint(args, given: str, p: Path, names: list[str]) -> dict:
                         f"{', '.join(sorted(cfg.models or {})) or 'none'}; the run's: {', '.join(names)})")
     if cfg.data.eval is None:
         raise UserError("eval: the config has data.eval: null; pass --data with the held-out prompts")
-    if folder is not None:
-        state, label = ckpt.load_checkpoint(folder), folder.name
     return _evaluate(args, given, cfg, state, label, config_path, run_dir)
 
 
