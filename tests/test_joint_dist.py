@@ -21,6 +21,15 @@ STEPS = "train.steps=3"  # 2 user prompts a step: one per rank, each with its 2 
 OWN = ("reward=[{name: adherence}]", "models.painter.reward_against=rewrite")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def private_ray():
+    """The Ray group test starts a private Ray sized for 2 trainers: shut it down even when the test
+    fails, or later modules would join it and find too few CPUs for their actors."""
+    yield
+    if "ray" in sys.modules:
+        sys.modules["ray"].shutdown()
+
+
 @pytest.fixture(scope="module")
 def one_process(enhancer_base, flow_base, tmp_path_factory):
     run = tmp_path_factory.mktemp("joint_single") / "run"
@@ -38,13 +47,17 @@ def same_training(run, ref, enhancer_base, flow_base):
     assert [r["painter/reward_own"] for r in rows] == pytest.approx([r["painter/reward_own"] for r in want], rel=1e-3)
     for key in ("painter/loss", "enhancer/grad_norm", "painter/grad_norm"):
         assert [r[key] for r in rows] == pytest.approx([r[key] for r in want], rel=1e-4, abs=1e-6), key
-    # both models' weights: as close as float reduction order allows, against how far training moved them
+    # both models' weights: as close as float reduction order allows, against how far training moved them.
+    # Adam divides each step by the gradient's own scale, so the reduction-order noise grows over the steps:
+    # 4e-4 of `moved` for the enhancer on one 2-core machine, 1.1e-3 on another; an update that missed a
+    # rank's rows would differ by the order of `moved` (and the grad norms above, at rel 1e-4, catch a
+    # wrong scale, to which Adam's weights are blind).
     for model, base in (("enhancer", enhancer_base), ("painter", flow_base)):
         start, got, ref_w = (folder_weights(f) for f in (Path(base), run / "export" / model, ref / "export" / model))
         assert ref_w.keys() == got.keys() == start.keys() and ref_w, model
         moved = sum(((ref_w[k] - start[k]).double() ** 2).sum() for k in ref_w) ** 0.5
         diff = sum(((got[k] - ref_w[k]).double() ** 2).sum() for k in ref_w) ** 0.5
-        assert moved > 1e-4 and diff < 1e-3 * moved, (model, float(diff), float(moved))
+        assert moved > 1e-4 and diff < 1e-2 * moved, (model, float(diff), float(moved))
 
 
 def test_a_joint_run_on_two_torchrun_processes_trains_what_one_process_trains(enhancer_base, flow_base, one_process,
@@ -65,6 +78,3 @@ def test_a_joint_run_in_a_ray_trainer_group_trains_what_one_process_trains(enhan
     assert main([*joint_args(enhancer_base, flow_base, run, STEPS, *OWN, "run.threads=1"), "distributed.mode=ray",
                  "distributed.trainer_workers=2", "distributed.ray_address=null"]) == 0
     same_training(run, one_process, enhancer_base, flow_base)
-    import ray
-
-    ray.shutdown()

@@ -24,6 +24,7 @@ RAY = ["distributed.mode=ray", "distributed.rollout_workers=2", "distributed.rew
 
 @pytest.fixture(scope="module", autouse=True)
 def private_ray():
+    ray.shutdown()  # a Ray an earlier module left up (a failed test) is sized for that module's actors
     yield
     ray.shutdown()
 
@@ -363,3 +364,29 @@ def test_bf16_sync_sends_half_the_bytes_and_the_run_still_learns(base_model, tmp
     # the actors sample with bf16-rounded weights (tests/test_sync_pack.py: what an actor holds after
     # loading them); rounding at 3 significant digits rarely moves a sampled token, and learning goes on
     assert sum(r["reward/mean"] for r in b[-4:]) / 4 > sum(r["reward/mean"] for r in b[:4]) / 4 + 0.1
+
+
+def test_a_second_run_in_one_process_gets_a_private_ray_with_room_for_its_actors():
+    from types import SimpleNamespace
+
+    from regen.errors import UserError
+    from regen.placement.ray import start_ray
+
+    def cfg(rollout_workers: int, address=None):
+        return SimpleNamespace(distributed=SimpleNamespace(
+            ray_address=address, trainer_workers=1, group_sampling="trainers", rollout_workers=rollout_workers,
+            rollout_resources={"num_cpus": 1}, reward_workers=1, reward_resources={"num_cpus": 1}))
+
+    ray.shutdown()
+    cpus = os.cpu_count() or 1
+    start_ray(cfg(cpus - 1))  # room for cpus actors: a private Ray of cpus CPUs
+    assert ray.cluster_resources()["CPU"] == cpus
+    start_ray(cfg(cpus + 1))  # an earlier run's private Ray is too small: started again, with room
+    assert ray.cluster_resources()["CPU"] == cpus + 2
+    ray.shutdown()
+    ray.init(num_cpus=1, include_dashboard=False)  # the user's own Ray: joined, never restarted
+    address = ray.get_runtime_context().gcs_address
+    with pytest.raises(UserError, match=r"CPU: need 2, the cluster has 1"):
+        start_ray(cfg(1))
+    assert ray.is_initialized() and ray.get_runtime_context().gcs_address == address
+    ray.shutdown()

@@ -27,6 +27,7 @@ STEPS = "train.steps=4"
 
 @pytest.fixture(scope="module", autouse=True)
 def private_ray():
+    ray.shutdown()  # a Ray an earlier module left up (a failed test) is sized for that module's actors
     yield
     ray.shutdown()
 

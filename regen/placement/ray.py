@@ -38,7 +38,11 @@ def start_ray(cfg) -> None:
         import ray
     except ImportError:
         raise UserError("distributed.mode=ray needs Ray: pip install 'regen[ray]'") from None
+    global _PRIVATE
     d = cfg.distributed
+    if ray.is_initialized() and not d.ray_address and _PRIVATE == ray.get_runtime_context().gcs_address \
+            and {k for k, _, _ in _short(d, ray.cluster_resources())} == {"CPU"}:
+        ray.shutdown()  # the private Ray an earlier run in this process started has too few CPUs for this run's actors
     if ray.is_initialized():
         pass  # joined already (an earlier run in this process): its resources are checked below
     elif d.ray_address:
@@ -57,18 +61,27 @@ def start_ray(cfg) -> None:
         ray.init(num_cpus=max(int(cpus + 0.999), os.cpu_count() or 1), include_dashboard=False, namespace="regen",
                  log_to_driver=False, configure_logging=False,
                  runtime_env={"env_vars": {"PYTHONPATH": path}} if path else None)
-    have, need = ray.cluster_resources(), {}
-    for count, res in actors(d):
-        for k, v in res.items():
-            key = {"num_cpus": "CPU", "num_gpus": "GPU"}.get(k, k)
-            need[key] = need.get(key, 0) + count * v
-    short = [f"{k}: need {v:g}, the cluster has {have.get(k, 0):g}" for k, v in need.items() if v > have.get(k, 0)]
+        _PRIVATE = ray.get_runtime_context().gcs_address
+    short = [f"{k}: need {v:g}, the cluster has {h:g}" for k, v, h in _short(d, ray.cluster_resources())]
     if short:
         what = "rollout_workers / reward_workers or their resources" if d.trainer_workers == 1 else \
             "trainer_workers / rollout_workers or their resources" if d.group_sampling == "actors" else \
             "trainer_workers or trainer_resources"
         raise UserError("distributed: the Ray cluster cannot place the run's actors (" + "; ".join(short)
                         + f"); lower distributed.{what}")
+
+
+_PRIVATE = None  # the address of the private Ray start_ray started in this process (a joined one is left alone)
+
+
+def _short(d, have: dict) -> list[tuple[str, float, float]]:
+    """(resource, what the run's actors need, what the cluster has) of each resource they need more of."""
+    need: dict[str, float] = {}
+    for count, res in actors(d):
+        for k, v in res.items():
+            key = {"num_cpus": "CPU", "num_gpus": "GPU"}.get(k, k)
+            need[key] = need.get(key, 0) + count * v
+    return [(k, v, have.get(k, 0)) for k, v in need.items() if v > have.get(k, 0)]
 
 
 def actors(d) -> list[tuple[int, dict[str, float]]]:
