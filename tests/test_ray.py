@@ -372,9 +372,9 @@ def test_a_second_run_in_one_process_gets_a_private_ray_with_room_for_its_actors
     from regen.errors import UserError
     from regen.placement.ray import start_ray
 
-    def cfg(rollout_workers: int, address=None):
+    def cfg(rollout_workers: int):
         return SimpleNamespace(distributed=SimpleNamespace(
-            ray_address=address, trainer_workers=1, group_sampling="trainers", rollout_workers=rollout_workers,
+            ray_address=None, trainer_workers=1, group_sampling="trainers", rollout_workers=rollout_workers,
             rollout_resources={"num_cpus": 1}, reward_workers=1, reward_resources={"num_cpus": 1}))
 
     ray.shutdown()
