@@ -26,8 +26,9 @@ def draw(folder: str, prompts: list[str], samples: int, seed: int, steps: int) -
 
     policy = FlowPolicy.load(folder, torch.device("cpu"))
     policy.unet.eval()
-    out = policy.sample_ode(prompts, samples, torch.Generator().manual_seed(seed), steps)
-    return to_uint8(policy.decode(out.x0)).numpy()
+    with torch.no_grad():  # a latent model's decode too
+        out = policy.sample_ode(prompts, samples, torch.Generator().manual_seed(seed), steps)
+        return to_uint8(policy.decode(out.x0)).numpy()
 
 
 def main() -> None:
