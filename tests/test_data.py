@@ -94,6 +94,54 @@ def test_paraphrase_splits_hold_out_phrasings_and_combinations():
         load_prompts("builtin:shapes-paraphrase:heldout", task, "data.eval")
 
 
+def test_known_synonyms_keep_their_meaning_in_the_enhancers_demonstrations():
+    """task.known_synonyms: a known attribute's synonym is translated truly in every demonstration;
+    the others' synonyms keep random targets (their meaning left to RL), as in the default."""
+    from regen.config import SFTConfig
+    from regen.tasks.shapes_paraphrase import SYNONYMS
+
+    meaning = {w: k for k, v in SYNONYMS.items() for w in v}
+    keys = ("colour", "shape", "position")
+
+    def pairs(known):  # (synonym in the prompt, the target's word for that attribute) per demonstration
+        demos = load_demos("builtin:shapes-paraphrase:train", TaskConfig(demo_noise=0.5, known_synonyms=known),
+                           "data.train")
+        out = {k: [] for k in keys}
+        for d in demos:
+            target = d.completion.split()  # "a red circle at the left"
+            said = {k: w for w in d.prompt.split() if w in meaning for k in keys if meaning[w] in _values(k)}
+            for k, w in said.items():
+                out[k].append((meaning[w], target[{"colour": 1, "shape": 2, "position": 5}[k]]))
+        return len(demos), out
+
+    n0, none = pairs([])
+    n1, some = pairs(["colour", "shape"])
+    assert n0 == n1 and all(len(v) > 100 for v in some.values())
+    for k in ("colour", "shape"):
+        assert all(a == b for a, b in some[k]), k  # every known synonym translated truly
+        assert sum(a == b for a, b in none[k]) < 0.6 * len(none[k]), k  # by default near chance
+    assert sum(a == b for a, b in some["position"]) < 0.4 * len(some["position"])  # 5 values: chance is 1/5
+    with pytest.raises(ValueError, match="task.known_synonyms.*data.train=builtin:arithmetic:train"):
+        SFTConfig.model_validate({"model": {"init": "arithmetic"}, "data": {"train": "builtin:arithmetic:train"},
+                                  "task": {"known_synonyms": ["colour"]}})
+    with pytest.raises(ValueError, match="size"):
+        TaskConfig(known_synonyms=["size"])
+
+
+def test_known_synonyms_is_refused_by_rl_runs(capsys):
+    from regen.cli import main
+
+    assert main(["train", "--print-config", "model.init=arithmetic", "task.known_synonyms=[colour]"]) == 2
+    err = capsys.readouterr().err
+    assert "task.known_synonyms is not read by algorithm.name=grpo" in err and "regen sft" in err
+
+
+def _values(attribute: str) -> tuple:
+    from regen.tasks import shapes
+
+    return {"colour": shapes.COLOURS, "shape": shapes.SHAPES, "position": shapes.POSITIONS}[attribute]
+
+
 def test_demos_need_completion(tmp_path):
     f = tmp_path / "d.jsonl"
     f.write_text('{"prompt": "1+1="}\n')

@@ -369,6 +369,9 @@ class SFTConfig(Section):
         if self.data.chat_template or self.data.system_prompt is not None:
             raise ValueError("data.chat_template / data.system_prompt: `regen sft` trains on the rows' text as "
                              "written; chat templates are for `regen train` (render the demonstrations beforehand)")
+        if self.task.known_synonyms and not str(self.data.train).startswith("builtin:shapes-paraphrase"):
+            raise ValueError(f"task.known_synonyms={self.task.known_synonyms}: it shapes the demonstrations of "
+                             f"builtin:shapes-paraphrase:train, not data.train={self.data.train}")
         return self
 
 

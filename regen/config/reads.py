@@ -192,6 +192,7 @@ WHY = {
     "data.chat_template": "it renders language-model prompts (DPO's pairs are scored as written)",
     "data.system_prompt": "it is part of data.chat_template",
     "task.demo_noise": "corrupted demonstrations are for `regen sft`; RL prompts carry the true answers",
+    "task.known_synonyms": "it shapes the demonstrations of `regen sft`; RL prompts carry the true answers",
 }
 
 

@@ -19,6 +19,10 @@ class TaskConfig(Section):
     demo_noise: float = Field(
         0.4, ge=0.0, le=1.0, description="Fraction of SFT demonstrations whose answer is corrupted."
     )
+    known_synonyms: list[Literal["colour", "shape", "position"]] = Field(
+        default_factory=list, description="`regen sft` on builtin:shapes-paraphrase: attributes whose synonyms "
+        "the enhancer's demonstrations translate truly ('crimson' -> 'red'); the others' synonyms get random "
+        "targets, so their meaning is left to RL through the images. [] (default): every synonym is left to RL.")
 
 
 class RewardTerm(Section):
@@ -44,9 +48,10 @@ class TaskStream(Section):
 
     @model_validator(mode="after")
     def _no_demos(self) -> TaskStream:
-        if self.task is not None and "demo_noise" in self.task.model_fields_set:
-            raise ValueError("task.demo_noise: corrupted demonstrations are for `regen sft`; a task stream's prompts "
-                             "carry the true answers")
+        for key in ("demo_noise", "known_synonyms"):
+            if self.task is not None and key in self.task.model_fields_set:
+                raise ValueError(f"task.{key}: demonstrations are for `regen sft`; a task stream's prompts "
+                                 "carry the true answers")
         return self
 
 

@@ -152,7 +152,7 @@ def load_demos(spec: str, task, where: str, skip_bad: bool = False,
         if name == "shapes-paraphrase":
             from regen.tasks import shapes_paraphrase
 
-            return shapes_paraphrase.demonstrations(task.demo_noise)
+            return shapes_paraphrase.demonstrations(task.demo_noise, task.known_synonyms)
         if name == "shapes-vqa":
             from regen.tasks import shapes_vqa
 

@@ -18,6 +18,7 @@ orders of the training phrasings' words): `phrasings`, the training attribute co
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 from regen.data import Demo, PromptItem
 from regen.tasks import shapes
@@ -72,14 +73,16 @@ def prompts(split_name: str) -> list[PromptItem]:
     return rows
 
 
-def demonstrations(noise: float = 0.5) -> list[Demo]:
+def demonstrations(noise: float = 0.5, known: Sequence[str] = ()) -> list[Demo]:
     """The enhancer's SFT: paraphrases in the painter's own words -> the painter's phrasing, one
     for every attribute combination and phrasing, and round(16 * noise) more of each (noise: the
     task.demo_noise of `regen sft`) in which each attribute word is, with probability 1/2, a
     synonym of a uniformly drawn value and the target's attribute another uniformly drawn value:
     the enhancer learns the painter's phrasing, and that a synonym says nothing it knows (too many
     random targets to memorise), so it guesses evenly where one stands. That is its exploration;
-    which synonym means which word it can only learn from the painter's images, through the reward."""
+    which synonym means which word it can only learn from the painter's images, through the reward.
+    known (task.known_synonyms): attributes whose synonym, where one stands, is of the true value
+    and keeps the true target, so only the others' meaning is left to RL."""
     rng = random.Random(SEED + 7)
     choices = {"colour": list(shapes.COLOURS), "shape": list(shapes.SHAPES), "position": list(shapes.POSITIONS)}
     demos = []
@@ -90,8 +93,11 @@ def demonstrations(noise: float = 0.5) -> list[Demo]:
                 words, target = dict(m), dict(m)
                 for k in words:
                     if rng.random() < 0.5:
-                        words[k] = rng.choice(SYNONYMS[rng.choice(choices[k])])
-                        target[k] = rng.choice(choices[k])
+                        if k in known:
+                            words[k] = rng.choice(SYNONYMS[m[k]])
+                        else:
+                            words[k] = rng.choice(SYNONYMS[rng.choice(choices[k])])
+                            target[k] = rng.choice(choices[k])
                 demos.append(Demo(_text(t, words["colour"], words["shape"], words["position"]),
                                   " " + shapes.prompt_text(target), dict(m)))
     return demos
