@@ -18,22 +18,26 @@ regen train` run from the same two bases, alternated in one process (seed 0 of e
   painter_only   the painter alone (NFT, the same settings) on the users' raw prompts
 
 Every arm samples the same images per step (rollout.global_batch_size, 128) with the same painter
-settings and reward (`adherence`, judged against the user's prompt; joint_own's painter against its
-rewrite). Overrides: the bases, data.eval (--eval-data), run.dir, run.seed, train.steps (--steps; --arm-steps ARM=N for
-one arm), eval.every (--eval-every, scaled with an arm's steps), eval.samples_per_prompt
+settings and reward (examples/shapes_joint.yaml's, `adherence_accuracy` since 2026-12-03, `adherence`
+before: judged against the user's prompt; joint_own's painter against its rewrite; painter_only
+keeps `adherence`: alone on prompts it cannot read, its reward barely matters). Overrides: the
+bases, data.eval (--eval-data), run.dir, run.seed, train.steps (--steps; --arm-steps ARM=N for one
+arm), eval.every (--eval-every, scaled with an arm's steps), eval.samples_per_prompt
 (--eval-samples, default 8: 384 held-out images per evaluation), checkpoint.every=0, log.progress=none,
 log.tensorboard=false, run.overwrite=true.
 
-Measures from each run's metrics.jsonl: held-out reward (`eval/reward`, the adherence: mean
-probability of the asked colour, shape and position) and prompt adherence (`eval/adherence_accuracy`:
+Measures from each run's metrics.jsonl: held-out reward (`eval/reward`: with `adherence`, the mean
+probability of the asked colour, shape and position; with `adherence_accuracy`, the same as the
+adherence) and prompt adherence (`eval/adherence_accuracy`:
 the fraction of images whose three attributes the built-in classifier reads back as asked) at step 0,
 every --eval-every steps and at the end, against training wall-clock (cumulative `time/step_s`). The
 same wall-clock budget: the smallest whole-run training time over all runs; each run is read at its
 last evaluation within it. Per arm, over seeds: mean, std (n-1), min..max of both metrics at the
 budget and at the end, and of training seconds; `git describe`, threads and the 1-min load average.
 
-    python bench/joint.py --painter runs/demo-shapes-sft/export --enhancer runs/demo-enhancer-sft/export
-    python bench/joint.py                # builds both bases first (~7 min + ~30 s on 2 cores)
+    python bench/joint.py --painter runs/demo-joint-painter/export --enhancer runs/demo-enhancer-sft/export \
+        --steps 200 --arm-steps enhancer_only=320 --only joint_own,enhancer_only,painter_only --seeds 5
+    python bench/joint.py                # builds both bases first (~2-3 min + ~30 s on 2 cores)
     python bench/joint.py --steps 2 --eval-every 1 --seeds 1 --eval-samples 1 --out /tmp/j.json   # smoke
 """
 
@@ -76,7 +80,8 @@ def at_budget(points: dict, budget: float) -> list[float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--painter", help="the painter's base (default: built from examples/shapes_sft.yaml)")
+    p.add_argument("--painter", help="the painter's base (default: built from examples/shapes_sft.yaml sft.steps=300, "
+                   "as scripts/demo_joint.sh does)")
     p.add_argument("--enhancer", help="the enhancer's base (default: built from examples/shapes_enhancer_sft.yaml)")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--first-seed", type=int, default=0, help="run.seed F..F+N-1 (default 0), to add seeds to a benchmark")
@@ -101,10 +106,10 @@ def main() -> None:
             p.error(f"--arm-steps {kv}: expected ARM=N with ARM among {', '.join(ARMS)} and N a positive integer")
         arm_steps[arm] = int(n)
     work = Path(tempfile.mkdtemp(prefix="regen-joint-"))
-    for name, cfg in (("painter", "shapes_sft.yaml"), ("enhancer", "shapes_enhancer_sft.yaml")):
-        if getattr(a, name) is None:
-            print(f"building the {name} base: regen sft examples/{cfg}", flush=True)
-            regen("sft", str(ROOT / "examples" / cfg), f"run.dir={work / name}", "log.progress=none")
+    for name, cfg, more in (("painter", "shapes_sft.yaml", ["sft.steps=300"]), ("enhancer", "shapes_enhancer_sft.yaml", [])):
+        if getattr(a, name) is None:  # the bases of scripts/demo_joint.sh
+            print(f"building the {name} base: regen sft examples/{cfg} {' '.join(more)}", flush=True)
+            regen("sft", str(ROOT / "examples" / cfg), *more, f"run.dir={work / name}", "log.progress=none")
             setattr(a, name, str(work / name / "export"))
     arms = [x for x in ARMS if x in a.only.split(",")]
     print(f"regen {git_describe()}, threads 2 per run, load average {load_avg()} at the start", flush=True)
