@@ -85,6 +85,7 @@ def test_wandb_mode_from_the_environment_and_a_failed_tracker_leaves_nothing(bas
     assert not (tmp_path / "b" / "wandb").exists() or not list((tmp_path / "b" / "wandb").glob("*run-*"))
 
 
+@pytest.mark.extended  # a run watched for its lines in a subprocess (9 s): second CI tier, keeps scripts/test.sh short
 def test_without_a_terminal_a_line_comes_at_least_every_few_seconds(tmp_path):
     done = regen("sft", "model.init=arith-char-gpt2", "sft.steps=60", "sft.global_batch_size=8", "data.eval=null",
                  "log.tensorboard=false", "log.every=100000", "log.every_s=0.01", "run.dir=run", cwd=tmp_path)

@@ -60,6 +60,7 @@ def test_base_view_is_the_model_before_the_adapter():
     torch.testing.assert_close(merged(policy.unet)(x, t, class_labels=c).sample, after, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.extended  # three flow LoRA runs (8 s): second CI tier, keeps scripts/test.sh short
 def test_lora_with_weight_ema_resumes_exactly(flow_base, tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     common = ["nft", LORA, "flow.weight_ema=0.5", "optim.lr=1e-3", "flow.ema_rate=0.2"]

@@ -111,6 +111,7 @@ def test_a_torn_last_metrics_line_is_dropped_on_resume(base_model, tmp_path, cap
 # ------------------------------------------------------------------ SIGKILL at named moments
 
 
+@pytest.mark.extended  # a SIGKILL and a rerun in subprocesses (7 s): second CI tier, keeps scripts/test.sh short
 def test_a_kill_after_the_final_checkpoint_is_completed_by_the_rerun(base_model, tmp_path, capsys):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     extra = ("train.steps=3", "data.eval=builtin:arithmetic:test", "eval.num_prompts=8")
@@ -124,6 +125,7 @@ def test_a_kill_after_the_final_checkpoint_is_completed_by_the_rerun(base_model,
     assert json.loads((killed / "run.json").read_text())["status"] == "finished"
 
 
+@pytest.mark.extended  # a SIGKILL and a resume in subprocesses (7 s): second CI tier, keeps scripts/test.sh short
 def test_a_kill_in_a_nonfinite_streak_still_rolls_back_after_resume(base_model, tmp_path, monkeypatch):
     nan = {"REGEN_FAULT_NAN_STEPS": "3,4,5"}
     extra = ("train.steps=6", "checkpoint.every=1", "checkpoint.keep_last=3", "health.rollback_after_nonfinite=3")
@@ -174,6 +176,7 @@ def test_alerts_of_redone_steps_are_not_repeated(base_model, tmp_path, monkeypat
 # ------------------------------------------------------------------ the run directory
 
 
+@pytest.mark.extended  # two trainers in subprocesses (6 s): second CI tier, keeps scripts/test.sh short
 def test_a_second_trainer_on_a_run_directory_is_refused_until_the_first_is_gone(base_model, tmp_path, capsys):
     run = tmp_path / "run"
     first = subprocess.Popen([sys.executable, "-m", "regen", *lm(base_model, run, "train.steps=100000")], cwd=ROOT,
@@ -220,6 +223,7 @@ def test_a_run_directory_named_differently_or_moved_resumes(base_model, tmp_path
 # ------------------------------------------------------------------ the rest of the list
 
 
+@pytest.mark.extended  # an SFT run SIGTERMed and resumed in subprocesses (9 s): second CI tier, keeps scripts/test.sh short
 def test_sft_stops_gracefully_on_sigterm_and_resumes(tmp_path):
     run = tmp_path / "sft"
     args = ["sft", "model.init=arith-char-gpt2", f"run.dir={run}", "sft.steps=3000", "log.progress=none",

@@ -92,6 +92,7 @@ def test_a_head_that_does_not_fit_is_refused(tiny_clip, tmp_path):
         _build("aesthetic", model=str(tiny_clip), head=str(tmp_path / "none.safetensors"))
 
 
+@pytest.mark.extended  # a reward server in a subprocess (6 s): second CI tier, keeps scripts/test.sh short
 def test_served_scores_equal_in_process(tiny_clip, monkeypatch):
     from tests.test_reward_service import TOKEN, Server, client
 

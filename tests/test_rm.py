@@ -118,6 +118,7 @@ def test_a_missing_or_wrong_model_is_one_clear_error(base_model, tmp_path):
         resolve("reward_model")(path=str(tmp_path))
 
 
+@pytest.mark.extended  # a reward server in a subprocess (6 s): second CI tier, keeps scripts/test.sh short
 def test_served_scores_equal_in_process(trained_rm, monkeypatch):
     from tests.test_reward_service import TOKEN, Server, client
 

@@ -193,6 +193,7 @@ def _train(base, run, *extra) -> list[str]:
             "rollout.max_new_tokens=4", *extra]
 
 
+@pytest.mark.extended  # a run that waits out a service outage (8 s): second CI tier, keeps scripts/test.sh short
 def test_the_loop_waits_for_a_service_that_is_down_instead_of_spending_steps(base_model, tmp_path, monkeypatch):
     import threading
 
