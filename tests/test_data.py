@@ -98,20 +98,21 @@ def test_known_synonyms_keep_their_meaning_in_the_enhancers_demonstrations():
     """task.known_synonyms: a known attribute's synonym is translated truly in every demonstration;
     the others' synonyms keep random targets (their meaning left to RL), as in the default."""
     from regen.config import SFTConfig
+    from regen.tasks.shapes import parse_prompt, vocabulary
     from regen.tasks.shapes_paraphrase import SYNONYMS
 
     meaning = {w: k for k, v in SYNONYMS.items() for w in v}
-    keys = ("colour", "shape", "position")
+    attribute = {value: k for k, values in vocabulary("image").items() for value in values}
 
-    def pairs(known):  # (synonym in the prompt, the target's word for that attribute) per demonstration
+    def pairs(known):  # (a synonym's meaning, the target's value of its attribute) per synonym in a prompt
         demos = load_demos("builtin:shapes-paraphrase:train", TaskConfig(demo_noise=0.5, known_synonyms=known),
                            "data.train")
-        out = {k: [] for k in keys}
+        out = {k: [] for k in vocabulary("image")}
         for d in demos:
-            target = d.completion.split()  # "a red circle at the left"
-            said = {k: w for w in d.prompt.split() if w in meaning for k in keys if meaning[w] in _values(k)}
-            for k, w in said.items():
-                out[k].append((meaning[w], target[{"colour": 1, "shape": 2, "position": 5}[k]]))
+            target = parse_prompt(d.completion)  # "a red circle at the left": the painter's words
+            for w in d.prompt.split():
+                if w in meaning:
+                    out[attribute[meaning[w]]].append((meaning[w], target[attribute[meaning[w]]]))
         return len(demos), out
 
     n0, none = pairs([])
@@ -134,12 +135,6 @@ def test_known_synonyms_is_refused_by_rl_runs(capsys):
     assert main(["train", "--print-config", "model.init=arithmetic", "task.known_synonyms=[colour]"]) == 2
     err = capsys.readouterr().err
     assert "task.known_synonyms is not read by algorithm.name=grpo" in err and "regen sft" in err
-
-
-def _values(attribute: str) -> tuple:
-    from regen.tasks import shapes
-
-    return {"colour": shapes.COLOURS, "shape": shapes.SHAPES, "position": shapes.POSITIONS}[attribute]
 
 
 def test_demos_need_completion(tmp_path):
