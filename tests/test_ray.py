@@ -45,6 +45,20 @@ def kill_when(run, rows: int, name: str, killed: list):
     return t
 
 
+def kill_and_wait(actor, method: str) -> None:
+    """ray.kill is asynchronous: a call made right after it can still run on the live actor (it
+    did on a loaded CI machine), so call `method` until a call fails: the next one meets a dead actor."""
+    ray.kill(actor, no_restart=True)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            ray.get(getattr(actor, method).remote())
+            time.sleep(0.05)
+        except ray.exceptions.RayActorError:
+            return
+    raise AssertionError(f"the actor still answered {method}() 60 s after ray.kill")
+
+
 def test_disaggregated_run_learns_and_survives_a_killed_rollout_actor(base_model, tmp_path):
     single, spread = tmp_path / "single", tmp_path / "ray"
     assert main(["train", f"model.path={base_model}", f"run.dir={single}", *LEARN]) == 0
@@ -80,14 +94,7 @@ def test_a_reward_actor_that_died_between_calls_is_replaced_for_the_version_chec
     try:
         before = reward.versions()
         actor = reward.workers.actors[0]
-        ray.kill(actor)  # asynchronous: wait until a call on it fails, so the next one meets a dead actor
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            try:
-                ray.get(actor.versions.remote())
-                time.sleep(0.05)
-            except ray.exceptions.RayActorError:
-                break
+        kill_and_wait(actor, "versions")
         assert reward.versions() == before and reward.workers.restarts == 1
     finally:
         reward.close()
@@ -144,18 +151,21 @@ def test_a_batch_staler_than_the_bound_is_sampled_again(base_model, tmp_path):
     from regen.placement.ray import RayRollouts
     from regen.runtime.dist import Dist
 
-    cfg = load_config(RLConfig, None, [f"model.path={base_model}", *LEARN, *RAY, "distributed.max_staleness=1"])
+    cfg = load_config(RLConfig, None, [f"model.path={base_model}", *LEARN, *RAY, "distributed.max_staleness=1",
+                                       "train.steps=2"])
     m = LMModality(cfg, torch.device("cpu"), Dist())
     prompts = load_prompts(cfg.data.train, cfg.task, "data.train", False, cfg.data.columns)
     pool = RayRollouts(m, EpochSampler(len(prompts), 0), prompts, cfg, version=0)
     try:
         gen = torch.Generator().manual_seed(0)
         _, first = pool.next(1, gen)  # version 0; the next batch is requested now, with version 0
+        assert pool._ahead is not None
         assert first.version.tolist() == [0] * 32 and not pool.stale(first)
         pool.sync(1)
         pool.sync(2)  # the trainer moved two versions on: the batch sampled ahead lags 2 > 1
         items, batch = pool.next(2, gen)
         assert pool.discarded == 1 and batch.version.tolist() == [2] * 32
+        assert pool._ahead is None  # step 2 is the last: no batch is requested past it
         assert len(items) == 4 and len(batch.completions) == 32
         # PPO's old log-probs: the trainer's own for a current batch, the actors' for a late one
         assert not pool.stale(batch)
@@ -166,9 +176,7 @@ def test_a_batch_staler_than_the_bound_is_sampled_again(base_model, tmp_path):
         torch.testing.assert_close(behaviour[mask], m.policy.token_logprobs(batch, 1.0)[0][mask], atol=1e-5, rtol=1e-5)
         # a replaced actor samples a late share with the version it was requested with, not the newest
         dead = pool.workers.actors[0]
-        ray.kill(dead, no_restart=True)
-        with pytest.raises(ray.exceptions.RayActorError):
-            ray.get(dead.ready.remote())
+        kill_and_wait(dead, "ready")
         pool.discard_prefetch()
         _, items, plan, refs, _, version = pool._submit(4, gen)  # a batch requested ahead, with version 3...
         assert version == 3
@@ -211,7 +219,7 @@ def test_syncs_send_only_changed_tensors_and_a_replaced_actor_rebuilds_the_weigh
         assert [r["sync/tensors"] for r in sent] == [1.0, 1.0] and sent[0]["sync/unchanged"] == n - 1
         assert sent[0]["sync/mb"] == pytest.approx(params[moved[0]].numel() * 4 / 1e6)
         gen = torch.Generator().manual_seed(0)
-        ray.kill(pool.workers.actors[0], no_restart=True)  # its replacement starts from model.path
+        kill_and_wait(pool.workers.actors[0], "ready")  # its replacement starts from model.path
         _, items, plan, refs, _, version = pool._submit(3, gen)
         batch = pool._collect(items, plan, refs, version)
         assert pool.workers.restarts == 1 and batch.version.tolist() == [2] * 32
@@ -329,7 +337,8 @@ def test_vllm_on_rollout_actors_samples_what_vllm_in_one_process_does(lora, plac
     assert len(engines) == 2 and mine.count("generate 2") == 3  # one per actor; 2 prompts per step
     for calls, weights in engines.values():
         assert calls[0] == "init tp=1 sleep_mode=False" and calls.count("generate 1") == 3  # 1 prompt each
-        # each actor's engine ends with the trainer's weights, exactly (float32 sync)
+        # each actor's engine ends with the trainer's weights, exactly (float32 sync): the run's end
+        # waits for the last sync (it was killed before a slow LoRA merge ran, on a loaded machine)
         assert len(weights) == len(last) and all(torch.equal(weights[k], v) for k, v in final.items())
         assert calls[-2:] == [f"load {len(last)}" if lora else calls[-2], "reset"]  # LoRA: merged, every tensor
 

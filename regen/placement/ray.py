@@ -31,6 +31,8 @@ from regen.placement.local import group_rows
 from regen.placement.ray_workers import RewardWorker, RolloutWorker
 from regen.placement.sync import Chain, Packer, nbytes
 
+DRAIN_S = 60.0  # the longest a run's end waits for its rollout actors to take the last weights
+
 
 def start_ray(cfg) -> None:
     """Join distributed.ray_address, or start a private Ray with room for every actor."""
@@ -158,6 +160,13 @@ class ActorGroup:
                                "sync/buckets": float(len(buckets)), "sync/tensors": float(sum(map(len, buckets))),
                                "sync/unchanged": float(packer.skipped)}
 
+    def drain(self, timeout_s: float) -> None:
+        """Wait (at most timeout_s) until every actor has run the calls queued to it."""
+        import ray
+
+        refs = [a.ready.remote() for a in self.actors]  # queued last: Ray runs an actor's calls in order
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+
     def close(self) -> None:
         import ray
 
@@ -187,6 +196,7 @@ class RayRollouts:
         self._by_version: dict[int, object] = {}  # the recent versions' weights, for replaced actors
         self._ahead = None  # (step, items, plan, refs, data and generator state before them, version)
         self._lag = self.discarded = 0
+        self._unread: list = []  # the requests of the last batch requested ahead and then dropped
         try:
             self.sync(version, state)
         except BaseException:
@@ -206,8 +216,8 @@ class RayRollouts:
             self.discarded += 1
             batch = self._collect(items, plan, self._requests(items, plan), self.version)
         self._lag = self.version - int(batch.version.min())
-        if self.bound >= 1:  # the next batch overlaps this step's update (at most one version behind)
-            self._ahead = self._submit(step + 1, gen)
+        if self.bound >= 1 and step < self.cfg.train.steps:  # the next batch overlaps this step's update
+            self._ahead = self._submit(step + 1, gen)  # (at most one version behind); none past the last step
         return items, batch
 
     def sync(self, step: int, state: dict | None = None) -> dict[str, float]:
@@ -236,11 +246,20 @@ class RayRollouts:
             self._ahead = None
 
     def close(self) -> None:
+        """Stop the actors once they have taken the last weights sent (so a run ends with every
+        actor holding its final weights, none killed mid-load; at most DRAIN_S), unless a batch
+        nobody will read is still being sampled ahead of that load (a run stopped early): then at once."""
+        import ray
+
+        unread = [r for r in self._unread if r is not None]
+        if not unread or len(ray.wait(unread, num_returns=len(unread), timeout=0)[0]) == len(unread):
+            self.workers.drain(DRAIN_S)
         self.workers.close()
 
     # -------------------------------------------------------------- helpers
 
     def _rewind(self, ahead) -> None:
+        self._unread = ahead[3]  # its requests still run on the actors, ahead of any later call
         rewind(self.data, ahead[4])
 
     def _submit(self, step: int, gen: torch.Generator, again: bool = False):

@@ -64,7 +64,7 @@ class GroupRollouts:
                 self._rewind(ahead)
                 ahead = None
             items = ahead[1] if ahead is not None else self._draw(step, gen, again)[1]
-            if self.bound >= 1:
+            if self.bound >= 1 and step < self.cfg.train.steps:
                 self._ahead = self._draw(step + 1, gen)
             sent = None
         batch, self._stale = self.dist.broadcast_object(sent)
