@@ -139,6 +139,7 @@ def test_a_kill_in_a_nonfinite_streak_still_rolls_back_after_resume(base_model, 
     same_run(straight, killed)
 
 
+@pytest.mark.extended  # a SIGKILL mid-rewrite and a rerun in subprocesses (7 s): second CI tier, keeps scripts/test.sh short
 def test_a_kill_while_resume_rewrites_the_metrics_loses_no_row(base_model, tmp_path):
     run = tmp_path / "run"
     assert main(lm(base_model, run, "train.steps=4", "checkpoint.every=2")) == 0
@@ -152,6 +153,7 @@ def test_a_kill_while_resume_rewrites_the_metrics_loses_no_row(base_model, tmp_p
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3, 4]
 
 
+@pytest.mark.extended  # a SIGKILL in retention and a rerun in subprocesses (7 s): second CI tier, keeps scripts/test.sh short
 def test_a_kill_during_retention_leaves_nothing_behind(base_model, tmp_path):
     run = tmp_path / "run"
     args = lm(base_model, run, "train.steps=4", "checkpoint.every=1", "checkpoint.keep_last=1")
@@ -162,6 +164,7 @@ def test_a_kill_during_retention_leaves_nothing_behind(base_model, tmp_path):
     assert {p.name for p in (run / "checkpoints").iterdir()} == {"step_00000004"}
 
 
+@pytest.mark.extended  # a killed run redone in subprocesses (7 s): second CI tier, keeps scripts/test.sh short
 def test_alerts_of_redone_steps_are_not_repeated(base_model, tmp_path, monkeypatch):
     run = tmp_path / "run"
     args = lm(base_model, run, "train.steps=4", "checkpoint.every=2")
@@ -194,6 +197,7 @@ def test_a_second_trainer_on_a_run_directory_is_refused_until_the_first_is_gone(
     assert main(lm(base_model, run, "train.steps=2", "run.overwrite=true")) == 0  # the holder is gone
 
 
+@pytest.mark.extended  # SIGTERM in the first eval, then a fresh start (9 s): second CI tier, keeps scripts/test.sh short
 def test_a_run_killed_before_its_first_checkpoint_starts_again(base_model, tmp_path, capsys):
     run = tmp_path / "run"
     args = lm(base_model, run, "train.steps=2", "data.eval=builtin:arithmetic:test", "eval.num_prompts=256")

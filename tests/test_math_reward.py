@@ -56,6 +56,7 @@ def test_a_row_without_an_answer_is_missing(math_equal):
     assert math_equal([Sample("q", "12", {}), Sample("q", "12", {"answer": 12})]) == [None, 1.0]
 
 
+@pytest.mark.extended  # waits out a real timeout (5 s): second CI tier, keeps scripts/test.sh short
 def test_a_pathological_expression_times_out_and_the_next_check_runs():
     reward = resolve("math_equal")(timeout_s=1.0)
     t0 = time.perf_counter()

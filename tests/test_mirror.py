@@ -254,6 +254,7 @@ def test_importing_the_module_does_not_import_boto3():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+@pytest.mark.extended  # three runs resumed from a local S3 per modality (17 s): second CI tier, keeps scripts/test.sh short
 def test_training_run_resumes_exactly_from_the_bucket(job, s3, endpoint, tmp_path):
     from regen.cli import main
     from tests.conftest import same_run
