@@ -149,7 +149,7 @@ def test_adherence_prefers_the_right_prompt_and_punishes_hacks(cache):
     right, wrong, flat, black = score([media(img, RED_LEFT), media(img, BLUE_TOP),
                                        media(solid((255, 0, 0)), RED_LEFT), media(solid((0, 0, 0)), RED_LEFT)])
     assert right > 0.9 and wrong < 0.2
-    assert flat < 0.5 and black < 0.5  # the solid-red and black-image hacks of FINDINGS
+    assert flat < 0.5 and black < 0.5  # the solid-red and black-image hacks RL finds
     acc = REGISTRY["adherence_accuracy"](cache=str(cache))
     assert acc([media(img, RED_LEFT), media(solid((255, 0, 0)), RED_LEFT), media(solid((0, 0, 0)), RED_LEFT)]) == [
         1.0, 0.0, 0.0]

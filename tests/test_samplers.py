@@ -148,7 +148,7 @@ def test_sde_hand_example_at_one_uses_sigma_max():
 
 
 def test_sde_std_matches_findings():
-    # FINDINGS: sigma_max 0.99 gives a first-step std of 0.7 * sqrt(1/0.01) * sqrt(0.1) = 2.21;
+    # measured before: sigma_max 0.99 gives a first-step std of 0.7 * sqrt(1/0.01) * sqrt(0.1) = 2.21;
     # the last step of 10 has std 0.7 sqrt(0.1/0.9) sqrt(0.1) = 0.0738
     assert sde_step(X, V, 1.0, 0.9, 0.7, 0.99, noise=EPS).std == pytest.approx(7 * math.sqrt(0.1), abs=1e-12)
     assert sde_step(X, V, 0.1, 0.0, 0.7, 0.9, noise=EPS).std == pytest.approx(0.7 / 3 * math.sqrt(0.1), abs=1e-12)

@@ -26,7 +26,7 @@ Metrics = dict[str, torch.Tensor]
 
 
 def _hi(x: torch.Tensor) -> torch.Tensor:
-    # squared errors and log-densities lose too much in half precision (FINDINGS: log-probs in fp32)
+    # squared errors and log-densities lose too much in half precision (log-probs are kept in fp32)
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
@@ -129,8 +129,8 @@ def flow_grpo_loss(
     token-mean over (sample, step). logp, old_logp (B, S); adv (B,) or (B, S); mask (B, S)
     selects the trained SDE steps of valid samples (False for ODE steps and missing rewards).
     kl (B, S): the per-step KL to the reference, e.g. gaussian_mean_kl(mu_theta, mu_ref, std),
-    with its gradient; required when kl_coef > 0. eps is tiny (1e-4 in the paper; FINDINGS:
-    1e-3 learned twice as fast on our toy task). Metrics: clip_frac, ratio_mean, approx_kl,
+    with its gradient; required when kl_coef > 0. eps is tiny (1e-4 in the paper;
+    1e-3 learned twice as fast on the shapes task). Metrics: clip_frac, ratio_mean, approx_kl,
     pg_loss, kl (when given), loss.
     """
     high = clip_range if clip_high is None else clip_high
@@ -196,7 +196,7 @@ def flow_dppo_loss(
 
 
 def nft_optimality(adv: torch.Tensor, C: float = 5.0, valid: torch.Tensor | None = None) -> torch.Tensor:
-    """DiffusionNFT's optimality probability (Zheng et al. 2025; REFERENCES.md):
+    """DiffusionNFT's optimality probability (Zheng et al. 2025, DiffusionNFT):
 
         r = clip(A / C / 2 + 0.5, 0, 1)        (A clipped to +-C maps onto [0, 1])
 

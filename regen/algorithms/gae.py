@@ -83,7 +83,7 @@ def value_loss(
     clip: float | None = 0.2, agg: str = "token-mean", norm: float | None = None,
     denoms: dict[str, float] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped value loss (PPO2 baselines; REFERENCES.md GAE row):
+    """Clipped value loss (the value clipping of OpenAI baselines' PPO2):
 
         V_clip = V_old + clip(V - V_old, -eps_v, +eps_v)
         L_t    = 1/2 * max((V - R)^2, (V_clip - R)^2)       (clip None: 1/2 (V - R)^2)

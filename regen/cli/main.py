@@ -169,20 +169,12 @@ def _quiet_libraries() -> None:
 
 
 def _load(kind, args):
-    from regen.config import RLConfig, describe, load_config, read_by
+    from regen.config import load_config
 
     if args.help_config:
-        rows = describe(kind)
-        width = max(len(k) for k, _, _ in rows)
-        if kind is RLConfig:
-            print("Each key says which methods (algorithm.name) read it; setting a key the chosen method does not "
-                  "read is an error.\n")
-        for key, default, desc in rows:
-            print(f"{key:<{width}}  {default}")
-            if kind is RLConfig:
-                desc = f"{desc} [read by: {read_by(key)}]"
-            if desc:
-                print(textwrap.indent(textwrap.fill(desc, 88), " " * (width + 2)))
+        from regen.config.reference import help_text
+
+        print(help_text(kind))
         return None
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config and not Path(config).exists():

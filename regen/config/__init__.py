@@ -137,7 +137,7 @@ class AlgorithmConfig(Section):
     reinforce_baseline: bool = Field(False, description="REINFORCE++: subtract the group mean before whitening.")
     clip_low: float | None = Field(
         None, gt=0.0, lt=1.0, description="Ratio clip below: 1 - clip_low. null = the method's default: 0.2 (grpo, "
-        "ppo), 3e-4 (gspo: a sequence-level ratio), 1e-3 (flow_grpo: a ratio per SDE step; FINDINGS.md). dgpo: the "
+        "ppo), 3e-4 (gspo: a sequence-level ratio), 1e-3 (flow_grpo: a ratio per SDE step; the paper's 1e-4 clipped 15-23% of ratios and halved learning speed on the shapes task). dgpo: the "
         "PPO-style clip on exp(l_old - l_theta) against its EMA old policy (the public code's clip_range, "
         "1e-5 .. 1e-2); null = off."
     )
@@ -378,13 +378,12 @@ class SFTConfig(Section):
 # Loading lives in its own module; re-exported here so `regen.config` is the one place to import from.
 from regen.config.load import (  # noqa: E402,F401
     config_hash,
-    describe,
     dump_config,
     incompatible_changes,
     load_config,
     parse_overrides,
-    read_by,
     redact,
     resolved_tree,
 )
+from regen.config.reference import describe, read_by  # noqa: E402,F401  (the --help-config table)
 from regen.config.rm import RMConfig, RMEvalConfig, RMStepsConfig  # noqa: E402,F401  (`regen rm`)

@@ -1,5 +1,5 @@
 """Reading config trees: YAML + dotted overrides, validation with errors that name the field,
-secret redaction, the `--help-config` table, and the resume compatibility check."""
+secret redaction and the resume compatibility check (the key reference: reference.py)."""
 
 from __future__ import annotations
 
@@ -241,50 +241,3 @@ def resolved_tree(cfg: BaseModel) -> dict:
 
 def dump_config(cfg: BaseModel, path: Path) -> None:
     path.write_text(yaml.safe_dump(redact(resolved_tree(cfg)), sort_keys=False))
-
-
-def describe(kind: type[BaseModel], prefix: str = "") -> list[tuple[str, str, str]]:
-    """(dotted key, default, description) for every leaf field: the `--help-config` table. A
-    section that is off by default (model.lora, log.wandb, ...) is listed with its own keys."""
-    rows = []
-    for name, field in kind.model_fields.items():
-        key = f"{prefix}{name}"
-        ann = field.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            rows.extend(describe(ann, key + "."))
-            continue
-        default = "(required)" if field.is_required() else repr(field.get_default(call_default_factory=True))
-        rows.append((key, default, field.description or ""))
-        section = _optional_section(ann)
-        if section is not None:  # its keys, e.g. model.lora.r: set them as model.lora={r: 8, ...}
-            rows.extend((k, d, f"{desc} (inside {key})") for k, d, desc in describe(section, key + "."))
-        named = _named_sections(ann)
-        if named is not None:  # a mapping of name -> section (tasks): the keys of each entry
-            rows.extend((k, d, f"{desc} (each entry of {key})") for k, d, desc in describe(named, key + ".NAME."))
-    return rows
-
-
-def _named_sections(ann) -> type[BaseModel] | None:
-    """The section class of a `dict[str, Section] | None` field, else None."""
-    for arg in getattr(ann, "__args__", ()):
-        if getattr(arg, "__origin__", None) is dict:
-            value = arg.__args__[1]
-            return value if isinstance(value, type) and issubclass(value, BaseModel) else None
-    return None
-
-
-def _optional_section(ann) -> type[BaseModel] | None:
-    """The section class of a `Section | None` field, else None."""
-    args = getattr(ann, "__args__", ())
-    models = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
-    return models[0] if len(models) == 1 and type(None) in args else None
-
-
-def read_by(key: str) -> str:
-    """'read by: grpo, ppo' for the `--help-config` table of `regen train`."""
-    from regen.config.reads import readers
-
-    who = readers(key)
-    from regen.config.methods import METHODS
-
-    return "every method" if len(who) == len(METHODS) else ", ".join(who) or "no method"

@@ -1,6 +1,6 @@
 """Prompt adherence for the synthetic shapes task: a small CNN that reads back the prompt.
 
-FINDINGS ("Pitfalls"): a redness or JPEG reward alone turns every sample into a solid red
+Reward hacking: a redness or JPEG reward alone turns every sample into a solid red
 or black frame within minutes; a reward that checks the prompt, optimised or at least
 logged beside the target, catches that. With no downloads allowed the project trains its
 own judge on the drawings of regen.tasks.shapes, where the ground truth is free.
@@ -105,7 +105,7 @@ def _augment(kind: str, x, targets: dict, g, noise: float, negatives: bool) -> t
 
     With `negatives`, 1/8 of the batch are frames without a proper shape (one flat colour,
     plain background, noise) whose targets are uniform on every head: those are exactly the
-    reward hacks of FINDINGS, and without them the classifier would answer confidently on
+    reward hacks seen in RL (a solid colour, an empty frame), and without them the classifier would answer confidently on
     inputs it never saw. For videos another 1/8 are static (one frame repeated): right colour
     and shape, uniform direction, so a video that does not move is not credited with a
     direction. Gaussian noise of a per-sample std in [0, noise] covers clean and imperfect

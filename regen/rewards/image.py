@@ -6,8 +6,8 @@ sample, or None (missing, never 0) for a sample without media or that it cannot 
 Each is registered with a version: bump it when the scoring changes, so a resumed run can
 tell its rewards are no longer comparable.
 
-Alone, most of these are easy to hack (FINDINGS, "Pitfalls": a JPEG-size reward gives black
-images within minutes): combine them with `adherence` (regen/rewards/adherence.py), or at
+Alone, most of these are easy to hack (a JPEG-size reward gives black images within
+minutes of RL): combine them with `adherence` (regen/rewards/adherence.py), or at
 least log `adherence_accuracy` beside them.
 """
 

@@ -8,7 +8,7 @@ the coming phase does not use frees that memory for the sampler's activations an
 With `train.offload: true` the loops move the optimizer state and the idle frozen copies to
 the CPU before sampling and back before the update. On a CPU-only run it moves nothing.
 
-`distributed.colocate: true` is the whole colocated plan (the seed's memory plan, verl's
+`distributed.colocate: true` is the whole colocated plan (verl's
 "hybrid engine"): parking as above; a rollout engine with its own memory (vLLM) goes to sleep
 for the update (its KV cache dropped, its weights moved to CPU memory) and wakes before the new
 weights are loaded into it; and the peak memory of the sampling and the update phases is logged

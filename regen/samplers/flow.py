@@ -154,7 +154,7 @@ def sde_step(x: torch.Tensor, v: torch.Tensor, sigma: float | torch.Tensor, sigm
 
     a = noise_level (0.7 in the paper). sigma_max stands in for sigma only in the denominator
     at sigma = 1, where s is infinite; pass the grid's next value (e.g. 0.9 for 10 steps) as
-    flow_grpo does: 0.99 gives a first-step std of 2.2 and speckled samples (FINDINGS.md).
+    flow_grpo does: 0.99 gives a first-step std of 2.2 and speckled samples (measured on the shapes task).
     noise: the standard-normal eps (drawn with `generator` when None). prev_sample: re-score
     that stored sample instead of drawing one. noise_level 0 is exactly euler_step, with
     std 0 and log_prob 0 by definition.
