@@ -331,7 +331,7 @@ def cmd_rewards(args) -> int:
             print(textwrap.fill("args: " + arguments, 100, initial_indent=" " * width,
                                 subsequent_indent=" " * (width + 6)))
     print("\nIn a config: reward: [{name: NAME, weight: 1.0, args: {...}}]; `regen eval --reward NAME "
-          "--reward-args '{...}'`. Any 'package.module:function' works too (see README: Your reward).")
+          "--reward-args '{...}'`. Any 'package.module:function' works too (docs/your-model-data-reward.md).")
     return 0
 
 

@@ -150,7 +150,7 @@ def _done(value) -> Future:
 
 
 def step_metrics(rewards, parts, adv_m, upd: dict, lr: float | None, times, defaults: dict) -> dict[str, float]:
-    """The metrics.jsonl row of one step (see README: The run directory)."""
+    """The metrics.jsonl row of one step (docs/run-directory.md lists its keys)."""
     t0, t1, t_wait, t2, t3 = times
     finite = rewards[torch.isfinite(rewards)]
     return {
