@@ -137,7 +137,8 @@ class AlgorithmConfig(Section):
     reinforce_baseline: bool = Field(False, description="REINFORCE++: subtract the group mean before whitening.")
     clip_low: float | None = Field(
         None, gt=0.0, lt=1.0, description="Ratio clip below: 1 - clip_low. null = the method's default: 0.2 (grpo, "
-        "ppo), 3e-4 (gspo: a sequence-level ratio), 1e-3 (flow_grpo: a ratio per SDE step; the paper's 1e-4 clipped 15-23% of ratios and halved learning speed on the shapes task). dgpo: the "
+        "ppo), 3e-4 (gspo: a sequence-level ratio), 1e-3 (flow_grpo: a ratio per SDE step; the paper's 1e-4 "
+        "clipped 15-23% of ratios and halved learning speed on the shapes task). dgpo: the "
         "PPO-style clip on exp(l_old - l_theta) against its EMA old policy (the public code's clip_range, "
         "1e-5 .. 1e-2); null = off."
     )
