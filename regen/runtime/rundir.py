@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -81,51 +82,69 @@ def clear_leftovers(path: Path) -> None:
                     os.replace(p, root / p.name.removeprefix(".old-"))
 
 
+# run dir's lock file (resolved) -> the descriptor whose flock holds it, for this process's life
+_HELD: dict[str, int] = {}
+
+
 def lock(path: Path) -> None:
     """Take run.lock for this process: a second trainer on the same run directory would
-    interleave its metrics and checkpoints with the first's. The lock names its holder (pid,
-    host); one left by a process that is gone (killed) is taken over. Released by unlock (and
-    taken over by a later run of this same process)."""
-    me = {"pid": os.getpid(), "hostname": socket.gethostname(), "started": time.time()}
+    interleave its metrics and checkpoints with the first's. The lock is an exclusive flock on
+    the file, held on an open descriptor until unlock, so the kernel decides atomically who holds
+    it and releases it when the holder dies (a SIGKILLed trainer leaves no stale lock). The file
+    names its holder (pid, host) for the refusal message. A later run of this same process (an
+    earlier one failed without closing) takes its own lock over."""
     file = path / LOCK
-    for _ in range(3):
+    key = str(file.resolve())
+    me = json.dumps({"pid": os.getpid(), "hostname": socket.gethostname(), "started": time.time()}).encode()
+    if key in _HELD:
+        if _locks_path(_HELD[key], file):
+            _write_holder(_HELD[key], me)
+            return
+        os.close(_HELD.pop(key))  # its file was deleted meanwhile (the folder removed): lock the new one
+    for _ in range(10):
+        fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by child processes (PEP 446)
         try:
-            fd = os.open(file, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
             holder = _read_json(file)
-            if holder is None or _stale(holder):
-                file.unlink(missing_ok=True)
-                continue
-            raise UserError(f"run.dir: '{path}' is in use by process {holder.get('pid')} on "
-                            f"{holder.get('hostname')} (since {time.ctime(holder.get('started', 0))}); wait for "
-                            f"it to finish, or delete {file} if that process is gone") from None
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(me))
-        return
+            who = (f"process {holder.get('pid')} on {holder.get('hostname')} (since "
+                   f"{time.ctime(holder.get('started', 0))})" if holder else "another process (starting now)")
+            raise UserError(f"run.dir: '{path}' is in use by {who}; wait for it to finish (its lock, {file}, is "
+                            "released when that process ends)") from None
+        except OSError as e:
+            os.close(fd)
+            raise UserError(f"run.dir: cannot lock {file} ({e.strerror}): the run directory must be on a "
+                            "filesystem with file locks") from None
+        if _locks_path(fd, file):  # else the previous holder unlinked it between our open and our flock
+            _write_holder(fd, me)
+            _HELD[key] = fd
+            return
+        os.close(fd)
     raise UserError(f"run.dir: could not take {file}")
 
 
-def unlock(path: Path) -> None:
-    holder = _read_json(path / LOCK)
-    if holder is not None and holder.get("pid") == os.getpid() and holder.get("hostname") == socket.gethostname():
-        (path / LOCK).unlink(missing_ok=True)
-
-
-def _stale(holder: dict) -> bool:
-    """The holder is this process (an earlier run in it that failed) or a process of this host
-    that no longer exists. A holder on another host cannot be checked from here."""
-    if holder.get("hostname") != socket.gethostname():
-        return False
-    pid = holder.get("pid")
-    if pid == os.getpid():
-        return True
+def _locks_path(fd: int, file: Path) -> bool:
+    """The descriptor is open on the file now at `file` (not on one unlinked since)."""
     try:
-        os.kill(int(pid), 0)
-    except (ProcessLookupError, ValueError, TypeError):
-        return True
-    except PermissionError:
-        return False  # alive, another user's
-    return False
+        return os.path.samestat(os.fstat(fd), os.stat(file))
+    except FileNotFoundError:
+        return False
+
+
+def _write_holder(fd: int, holder: bytes) -> None:
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, holder, 0)
+
+
+def unlock(path: Path) -> None:
+    """Release run.lock if this process holds it. The file is removed while still locked, so a
+    process waiting on the old file finds it gone and locks the new one (lock checks the inode)."""
+    file = path / LOCK
+    fd = _HELD.pop(str(file.resolve()), None)
+    if fd is not None:
+        file.unlink(missing_ok=True)
+        os.close(fd)
 
 
 def _read_json(file: Path) -> dict | None:
