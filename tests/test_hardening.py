@@ -73,6 +73,18 @@ def test_full_disk_mid_run_alerts_keeps_the_older_checkpoint_and_reruns_cleanly(
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3]
 
 
+def test_export_to_a_full_disk_is_one_line_and_leaves_nothing(base_model, tmp_path, tmpfs, capsys):
+    run = tmp_path / "run"
+    assert main(lm(base_model, run, "train.steps=1")) == 0
+    disk = tmpfs("1m")  # the model's weights (~1.6 MB) do not fit
+    assert main(["export", str(run), "--out", str(disk / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "export: writing" in err and "No space left on device" in err and "Traceback" not in err
+    assert list(disk.iterdir()) == []  # no truncated folder that looks like a model, no temporary one
+    assert main(["export", str(run), "--out", str(tmp_path / "out")]) == 0  # elsewhere, the same command works
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (run / "export" / "model.safetensors").read_bytes()
+
+
 def test_metrics_rows_on_a_full_disk_are_whole_or_absent(tmpfs):
     disk = tmpfs("64k")
     warnings = []

@@ -17,7 +17,7 @@ from regen.cli import main
 from regen.config import RLConfig, load_config
 from regen.modalities.joint import JointModality, rewrite_rewards
 from regen.runtime.dist import Dist
-from tests.conftest import NaNAt, export_weights, joint_args, read_jsonl, same_run, sigkill_after_checkpoint
+from tests.conftest import NaNAt, export_weights, folder_weights, joint_args, read_jsonl, same_run, sigkill_after_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -142,9 +142,16 @@ def test_joint_run_exports_both_models_loadable_as_they_are(enhancer_base, flow_
     from regen.policies.flow import FlowPolicy
 
     FlowPolicy.load(run / "export" / "painter", torch.device("cpu"))
-    from diffusers import UNet2DConditionModel
+    import diffusers
 
-    UNet2DConditionModel.from_pretrained(run / "export" / "painter" / "unet")  # plain diffusers
+    unet = run / "export" / "painter" / "unet"  # plain diffusers, with the class its config names
+    kind = getattr(diffusers, json.loads((unet / "config.json").read_text())["_class_name"])
+    _, info = kind.from_pretrained(unet, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert main(["export", str(run), "--out", str(tmp_path / "out")]) == 0  # `regen export` writes what export/ holds
+    assert folder_weights(tmp_path / "out").keys() == folder_weights(run / "export").keys()
+    assert all(torch.equal(a, b) for a, b in zip(folder_weights(tmp_path / "out").values(),
+                                                 folder_weights(run / "export").values()))
     rows = read_jsonl(run / "metrics.jsonl")
     steps = [r for r in rows if "reward/mean" in r]
     assert all(r["enhancer/trained"] == 1.0 and r["painter/trained"] == 1.0 for r in steps)

@@ -79,8 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     ex = sub.add_parser(
         "export", help="Write a checkpoint as a Hugging Face model folder.",
         description="Verify a checkpoint against its manifest and copy its model as a folder that\n"
-        "AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained load.\n"
-        "SOURCE is a run directory (its newest valid checkpoint) or one checkpoint folder.",
+        "AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained load (a joint run:\n"
+        "one folder per model, OUT/NAME). SOURCE is a run directory (its newest valid healthy\n"
+        "checkpoint) or one checkpoint folder. OUT is written under a temporary name and renamed\n"
+        "when complete: a failed export (a full disk) leaves nothing there.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ex.add_argument("source", metavar="SOURCE", help="Run directory or checkpoints/step_NNNNNNNN folder.")
@@ -257,52 +259,9 @@ def cmd_eval(args) -> int:
 
 
 def cmd_export(args) -> int:
-    import shutil
+    from regen.cli.export import cmd_export as export
 
-    from regen.runtime import checkpoint as ckpt
-
-    src, out = Path(args.source), Path(args.out)
-    if not src.is_dir():
-        raise UserError(f"export: '{src}' is not a folder")
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"export: '{out}' exists and is not empty")
-    if (src / "manifest.json").is_file():
-        folder = src
-    else:
-        folder, warnings = ckpt.latest_valid(src)
-        for w in warnings:
-            print(f"warning: {w}", file=sys.stderr)
-        if folder is None:
-            raise UserError(f"export: no valid checkpoint in '{src}'")
-        healthy = ckpt.latest_healthy(src)  # a run stopped by its health monitor: its last state is broken
-        if healthy is None:
-            raise UserError(f"export: every valid checkpoint of '{src}' is marked unhealthy (non-finite or "
-                            f"collapsed training); export one by its folder if you want it anyway: {folder}")
-        if healthy != folder:
-            print(f"note: {folder.name} is marked unhealthy (see {src / 'alerts.jsonl'}); exporting the newest "
-                  f"healthy checkpoint, {healthy.name} (name a checkpoint folder to export another)", file=sys.stderr)
-            folder = healthy
-    ckpt.verify(folder)
-    if args.require_gates:
-        from regen.quality.gates import require
-
-        require(folder)
-    if (folder / "model" / "adapter_config.json").is_file():  # a LoRA checkpoint: merge into its base
-        try:
-            from peft import AutoPeftModelForCausalLM
-            from transformers import AutoTokenizer
-        except ImportError:
-            raise UserError("export: this checkpoint holds a LoRA adapter; merging it needs peft") from None
-        try:
-            merged = AutoPeftModelForCausalLM.from_pretrained(str(folder / "model")).merge_and_unload()
-        except (OSError, ValueError) as e:
-            raise UserError(f"export: cannot load the adapter's base model: {str(e).splitlines()[0]}") from None
-        merged.save_pretrained(out, safe_serialization=True)
-        AutoTokenizer.from_pretrained(str(folder / "model")).save_pretrained(out)
-    else:
-        shutil.copytree(folder / "model", out, dirs_exist_ok=True)
-    print(f"exported {folder} to {out}")
-    return 0
+    return export(args)
 
 
 def cmd_report(args) -> int:
