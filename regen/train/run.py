@@ -11,6 +11,7 @@ books are kept here.
 
 from __future__ import annotations
 
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,7 +101,21 @@ class Run:
             from regen.placement.ray import start_ray
 
             start_ray(cfg)
+        fresh = not Path(cfg.run.dir).exists()
         run_dir, resume = prepare_on_rank0(cfg, resume, d)
+        try:
+            return cls._open(cfg, run_dir, resume, force, d, device, reward, prompts, eval_items, tasks, quality)
+        except BaseException:  # refused or failed before the first step: release the run directory, and
+            if d.main:  # remove it when this start created it (nothing of a run is in it yet)
+                unlock(run_dir)
+                if fresh:
+                    shutil.rmtree(run_dir, ignore_errors=True)
+            raise
+
+    @classmethod
+    def _open(cls, cfg: RLConfig, run_dir: Path, resume: bool, force: bool, d, device, reward, prompts, eval_items,
+              tasks, quality) -> Run:
+        """Start's second half, in the locked run directory: checkpoint, model, workers, books."""
         quality.base_file, quality.write_base = run_dir / "eval" / "base_reference.npz", d.main
         setup_torch(cfg.run.threads, cfg.run.seed)
         alerts = Alerts(run_dir, webhook_url=cfg.health.webhook_url)
@@ -126,11 +141,8 @@ class Run:
         health = HealthMonitor(cfg.health, alerts)
         start_step = restore_books(state, run_dir, opt, data, gen, health,
                                    load_optimizer=lambda sd: d.load_optim_state(m.trained, opt, sd))
-        try:  # the workers (Ray actors) before anything is written: one that cannot start leaves no run behind
-            reward, rollout = place(cfg, d, m, reward, data, prompts, start_step)
-        except BaseException:
-            unlock(run_dir)
-            raise
+        reward, rollout = place(cfg, d, m, reward, data, prompts, start_step)  # the workers (Ray actors) before
+        # anything is written: one that cannot start leaves no run behind
         if d.main:
             dump_config(cfg, run_dir / "config.yaml")
             mark_running(run_dir)  # run.json: `regen status` tells a live run from a dead one
