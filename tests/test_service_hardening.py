@@ -90,6 +90,24 @@ def test_image_sizes_are_checked_from_their_headers_before_decoding(service):
     assert httpx.post(f"{service.url}/v1/score", json={"samples": small}, headers=AUTH).status_code == 200
 
 
+def test_an_image_too_large_for_pillow_to_open_is_named_by_its_real_size():
+    import struct
+    import zlib
+
+    from regen.rewards.protocol import Media, media_pixels
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    head = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 100000, 100000, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b""))  # 10^10 pixels declared
+    gif = (b"GIF89a" + struct.pack("<HHBBB", 60000, 50000, 0, 0, 0)  # logical screen, then one frame's descriptor
+           + b"," + struct.pack("<HHHHB", 0, 0, 60000, 50000, 0) + b"\x02\x02\x4c\x01\x00;")
+    for raw, pixels in ((head, 100000 * 100000), (gif, 60000 * 50000)):
+        media = Media(type="png" if raw is head else "gif", data=base64.b64encode(raw).decode())
+        assert media_pixels(media, 32 * 1024 * 1024) == pixels  # not the cap + 1
+
+
 @pytest.mark.parametrize("service", [(["tests.reward_fixtures:unruly"], ["--cache-size", "10"])], indirect=True)
 def test_non_finite_and_non_numeric_scores_are_per_sample_errors(service):
     samples = [{"id": str(i), "text": f"t{i}"} for i in range(5)]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import io
+import struct
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -108,10 +109,23 @@ def media_pixels(media: Media, cap: int) -> int:
         if media.type != "gif" or w * h > cap:
             return w * h
         return getattr(img, "n_frames", 1) * w * h
-    except Image.DecompressionBombError:
-        return cap + 1  # Pillow's own guard: far beyond any cap of ours
+    except Image.DecompressionBombError:  # Pillow's own guard: far beyond any cap of ours; the header says how far
+        size = _header_pixels(raw)
+        return size if size is not None and size > cap else cap + 1
     except (UnidentifiedImageError, OSError, SyntaxError):
         raise ValueError(f"media.data is not a readable {media.type.upper()}") from None
+
+
+def _header_pixels(raw: bytes) -> int | None:
+    """Width x height from a PNG's IHDR chunk or a GIF's logical screen, without Pillow (which
+    refuses to open an image that large); None for anything else."""
+    if raw[:8] == b"\x89PNG\r\n\x1a\n" and raw[12:16] == b"IHDR" and len(raw) >= 24:
+        w, h = struct.unpack(">II", raw[16:24])
+        return w * h
+    if raw[:6] in (b"GIF87a", b"GIF89a") and len(raw) >= 10:
+        w, h = struct.unpack("<HH", raw[6:10])
+        return w * h
+    return None
 
 
 def decode_media(media: Media):
