@@ -270,3 +270,14 @@ def vllm_engines(log: Path) -> dict[str, tuple[list[str], dict]]:
     """Each stand-in engine (by process id): the calls it logged, and its weights after its last load."""
     return {p.stem: (p.read_text().splitlines(), torch.load(p.with_suffix(".pt")) if p.with_suffix(".pt").exists()
                      else {}) for p in sorted(log.glob("*.log"))}
+
+
+@pytest.fixture
+def service(request):
+    """A real `regen serve-reward` process: parametrise with ([rewards], [extra flags]), indirect=True.
+    At the end its log must not hold the token."""
+    from tests.test_reward_service import TOKEN, Server
+
+    srv = Server(*request.param[0], extra=request.param[1] if len(request.param) > 1 else ()).start()
+    yield srv
+    assert TOKEN not in srv.stop()

@@ -36,3 +36,12 @@ def exact_if_image(samples):
     (missing) for the others."""
     return [float(s.completion.strip() == s.meta["answer"]) if s.media is not None and s.media.ndim == 3 else None
             for s in samples]
+
+
+def hang_on_text(samples):
+    """Hangs (for an hour) when a sample's text is 'hang', like a scorer stuck on one input; else 1.0."""
+    import time
+
+    if any(s.completion == "hang" for s in samples):
+        time.sleep(3600)
+    return [1.0 for _ in samples]

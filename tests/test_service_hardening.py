@@ -41,13 +41,6 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
-@pytest.fixture
-def service(request):
-    srv = Server(*request.param[0], extra=request.param[1] if len(request.param) > 1 else ()).start()
-    yield srv
-    assert TOKEN not in srv.stop()
-
-
 @pytest.mark.parametrize("service", [(["exact_match"], ["--max-body-mb", "1"])], indirect=True)
 def test_unauthenticated_requests_get_401_and_nothing_else(service, tmp_path):
     url = f"{service.url}/v1/score"

@@ -45,6 +45,22 @@ def add_serve_parser(sub) -> None:
                     help="Most decoded pixels of all images of one request (default 128 Mi; more: 413).")
     sv.add_argument("--header-timeout-s", type=float, default=10.0,
                     help="Close a connection that has not sent a request's headers within this (default 10).")
+    sv.add_argument("--body-timeout-s", type=float, default=60.0,
+                    help="A request's body must arrive whole within this (default 60; then 408 and the connection "
+                    "is closed).")
+    sv.add_argument("--min-body-kib-s", type=float, default=64.0,
+                    help="... and at this many KiB/s or faster after its first 5 s (default 64: a client trickling "
+                    "its body is cut off).")
+    sv.add_argument("--max-connections", type=int, default=64,
+                    help="Most open connections; beyond them 503 (default 64). Request bodies hold at most "
+                    "max-connections x max-body-mb of memory.")
+    sv.add_argument("--score-timeout-s", type=float, default=60.0,
+                    help="Deadline of one scoring call (default 60; 0: none): past it each of its samples gets an "
+                    "error and its concurrency slot is free, so a scorer that hangs cannot wedge the service.")
+    sv.add_argument("--scorer-processes", type=int, default=0,
+                    help="Run the scorers in this many worker processes, each with its own copy of the rewards; one "
+                    "past its deadline is killed and replaced (default 0: threads of the service, where a call "
+                    "past its deadline is abandoned and counted as stuck in /healthz).")
     sv.add_argument("--ssl-certfile", help="TLS certificate (PEM): serve https. With --ssl-keyfile.")
     sv.add_argument("--ssl-keyfile", help="TLS private key (PEM) of --ssl-certfile.")
     sv.add_argument("--insecure-http", action="store_true",
@@ -72,10 +88,13 @@ def cmd_serve_reward(args) -> int:
         if not (token.isascii() and token.isprintable() and " " not in token):
             where = args.token_file or f"${args.token_env}"
             raise UserError(f"the token ({where}) must be printable ASCII without spaces: it travels in an HTTP header")
-    for flag in ("max_batch", "max_concurrency", "max_pixels", "max_request_pixels"):
+    for flag in ("max_batch", "max_concurrency", "max_pixels", "max_request_pixels", "max_connections"):
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be at least 1")
-    for flag in ("max_body_mb", "header_timeout_s"):
+    for flag in ("score_timeout_s", "scorer_processes"):
+        if getattr(args, flag) < 0:
+            raise UserError(f"--{flag.replace('_', '-')} must be 0 or more, got {getattr(args, flag)}")
+    for flag in ("max_body_mb", "header_timeout_s", "body_timeout_s", "min_body_kib_s"):
         if not getattr(args, flag) > 0:
             raise UserError(f"--{flag.replace('_', '-')} must be more than 0, got {getattr(args, flag)}")
     tls = args.ssl_certfile is not None or args.ssl_keyfile is not None
@@ -107,7 +126,10 @@ def cmd_serve_reward(args) -> int:
     cfg = ServerConfig(rewards=args.reward, token=token, max_batch=args.max_batch, args=reward_args,
                        max_body_bytes=int(args.max_body_mb * 1024 * 1024), max_concurrency=args.max_concurrency,
                        cache_size=args.cache_size, max_pixels=args.max_pixels,
-                       max_request_pixels=args.max_request_pixels, header_timeout_s=args.header_timeout_s)
+                       max_request_pixels=args.max_request_pixels, header_timeout_s=args.header_timeout_s,
+                       body_timeout_s=args.body_timeout_s, min_body_rate=args.min_body_kib_s * 1024,
+                       max_connections=args.max_connections, score_timeout_s=args.score_timeout_s,
+                       scorer_processes=args.scorer_processes)
     app = create_app(cfg)  # resolves the rewards: a bad name is an error before anything is announced
     scheme = "https" if tls else "http"
     serve(cfg, args.host, args.port, args.log_level, args.ssl_certfile, args.ssl_keyfile, app=app,

@@ -1,12 +1,16 @@
 """`regen serve-reward`: any registered reward as an HTTP scoring service (FastAPI + uvicorn).
 
-Self-protection, in the order a request meets it: the bearer token is checked from the
-headers before any byte of the body is read (constant-time compare; never logged or echoed);
-a connection that does not finish sending its request headers in `header_timeout_s` is
-closed; the body is read up to its cap (413 beyond, declared or streamed); the batch size
-and the decoded pixels of every image (per image and per request, read from the headers of
-the files before anything is decoded) are capped (413 naming the limit); a concurrency limit
-answers 429 + Retry-After instead of queueing without bound. A scorer's non-finite or
+Self-protection, in the order a request meets it (regen/rewards/server_edge.py): only the
+service's routes are served (404 / 405 from the headers); the bearer token is checked from the
+headers before any byte of a body is read (constant-time compare; never logged or echoed); a
+connection that does not finish sending its request headers in `header_timeout_s` is closed;
+only an authenticated POST to /v1/score has its body read, up to its cap (413 beyond, declared
+or streamed) and within its deadline (408); connections past `max_connections` get 503. Then
+the batch size and the decoded pixels of every image (per image and per request, read from the
+headers of the files before anything is decoded) are capped (413 naming the limit); a
+concurrency limit answers 429 + Retry-After instead of queueing without bound; every scoring
+call has a deadline, `score_timeout_s`, past which its samples get errors and its slot is free
+(regen/rewards/server_scoring.py: threads or worker processes). A scorer's non-finite or
 non-numeric score is that sample's error; a crashing scorer gives a 500 whose body holds only
 an error id (the exception goes to the server's log under that id). Nothing in a request is
 executed or unpickled: samples are JSON with strict types, media are decoded as PNG/GIF only.
@@ -15,12 +19,12 @@ executed or unpickled: samples are JSON with strict types, media are decoded as 
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 import logging
 import math
 import uuid
 from collections import OrderedDict
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,12 +35,14 @@ from pydantic import TypeAdapter, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from regen import __version__
-from regen.errors import ConfigError
-from regen.rewards.base import Sample, resolve, version_of
+from regen.rewards.base import Sample, version_of
 from regen.rewards.protocol import SampleIn, ScoreRequest, ScoreResponse, decode_media, media_pixels
+from regen.rewards.server_edge import Guard, header_timeout
+from regen.rewards.server_scoring import AllStuck, Scorers, ScoreTimeout, resolve_rewards
 
 log = logging.getLogger("regen.reward_service")
 MPX = 1024 * 1024
+GRACEFUL_S = 5  # how long SIGTERM waits for requests in flight
 
 
 @dataclass
@@ -52,50 +58,11 @@ class ServerConfig:
     max_pixels: int = 32 * MPX  # decoded pixels of one image (frames x height x width for a video)
     max_request_pixels: int = 128 * MPX  # decoded pixels of all images of one request
     header_timeout_s: float = 10.0  # a connection must send a request's headers within this
-
-
-class Guard:
-    """ASGI middleware, outermost: the token before anything else, then the body read in full
-    up to its cap (413 beyond, whether declared by Content-Length or streamed in chunks), so
-    the application only ever sees an authenticated request of bounded size."""
-
-    def __init__(self, app, limit: int, token: bytes | None):
-        self.app, self.limit, self.token = app, limit, token
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers", []))
-        if self.token is not None and scope["path"].startswith("/v1/"):
-            scheme, _, given = headers.get(b"authorization", b"").partition(b" ")
-            if not (scheme.lower() == b"bearer" and hmac.compare_digest(given, self.token)):
-                return await _reply(send, 401, "missing or invalid bearer token", {"WWW-Authenticate": "Bearer"})
-        declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await _reply(send, 413, f"request body exceeds {self.limit} bytes (--max-body-mb)")
-        body, more = b"", True
-        while more:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                return
-            body += msg.get("body", b"")
-            more = msg.get("more_body", False)
-            if len(body) > self.limit:
-                return await _reply(send, 413, f"request body exceeds {self.limit} bytes (--max-body-mb)")
-        sent = False
-
-        async def replay():
-            nonlocal sent
-            if sent:
-                return await receive()  # the client's disconnect, when it comes
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        await self.app(scope, replay, send)
-
-
-async def _reply(send, status: int, detail: str, headers: dict | None = None) -> None:
-    await JSONResponse({"detail": detail}, status_code=status, headers=headers)({"type": "http"}, None, send)
+    body_timeout_s: float = 60.0  # ... and a request's body within this
+    min_body_rate: float = 64 * 1024  # ... at this many bytes/s or faster (after server_edge.BODY_GRACE_S)
+    max_connections: int = 64  # open connections; beyond them uvicorn answers 503
+    score_timeout_s: float = 60.0  # deadline of one scoring call (0 = none)
+    scorer_processes: int = 0  # 0: scorers run in threads of the service; N: in N worker processes
 
 
 class TooManyPixels(Exception):
@@ -103,18 +70,16 @@ class TooManyPixels(Exception):
 
 
 def create_app(cfg: ServerConfig) -> FastAPI:
-    fns = {}
-    for name in cfg.rewards:
-        fn = resolve(name, where="--reward")
-        if getattr(fn, "reward_kind", "scalar") == "pairwise":
-            raise ConfigError(f"--reward {name}: a pairwise judge compares two samples, which /score does not "
-                              f"send; serve the 'pairwise' reward with of={name} instead (ServerConfig.args)")
-        if getattr(fn, "reward_factory", False):
-            fn = fn(**cfg.args.get(name, {}))
-        fns[name] = fn
-    app = FastAPI(title="regen reward service", version=__version__,
+    fns = resolve_rewards(cfg.rewards, cfg.args)
+    scorers = Scorers(fns, cfg.rewards, cfg.args, cfg.score_timeout_s, cfg.scorer_processes, cfg.max_concurrency)
+    @asynccontextmanager
+    async def lifespan(_app):
+        yield
+        scorers.close()  # here, not after uvicorn.run: uvicorn re-raises SIGTERM once shut down
+
+    app = FastAPI(title="regen reward service", version=__version__, lifespan=lifespan,
                   description=(__doc__ or "") + "\n\nProtocol: see regen/rewards/protocol.py.")
-    state = {"inflight": 0, "served": 0, "cache_hits": 0}
+    state = {"inflight": 0, "served": 0, "cache_hits": 0, "timed_out": 0}
     cache: OrderedDict[str, tuple[float | None, str | None]] = OrderedDict()
     token = cfg.token.encode() if cfg.token is not None else None
 
@@ -131,7 +96,8 @@ def create_app(cfg: ServerConfig) -> FastAPI:
 
     @app.get("/healthz")
     async def healthz():
-        return {"status": "ok"}
+        status, body = scorers.health()
+        return JSONResponse(body, status_code=status)
 
     @app.get("/v1/info")  # the token: checked by Guard before the request reaches here
     async def info():
@@ -160,9 +126,18 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         state["inflight"] += 1
         try:
             fn = fns[name]
-            results = await run_in_threadpool(_score_batch, fn, name, body.samples, cache, cfg, state)
+            results, todo = await run_in_threadpool(_prepare, fn, name, body.samples, cache, cfg, state)
+            if todo:
+                try:
+                    scores = await scorers.call(name, [t[1] for t in todo])
+                except ScoreTimeout:
+                    state["timed_out"] += 1
+                    scores = None
+                _finish(fn, results, todo, scores, cache, cfg)
         except TooManyPixels as e:
             return JSONResponse({"detail": str(e)}, status_code=413)
+        except AllStuck as e:
+            return JSONResponse({"detail": str(e)}, status_code=503, headers={"Retry-After": "60"})
         except Exception:  # the scorer itself crashed: a server error, the client retries
             error_id = uuid.uuid4().hex[:12]  # its text stays here: it may tell a caller about the scorer
             log.exception("scorer '%s' failed (error id %s)", name, error_id)
@@ -177,14 +152,16 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         return JSONResponse({"scorer": {"name": name, "version": version_of(fns[name]), "kind": kind},
                              "results": results})
 
-    app.add_middleware(Guard, limit=cfg.max_body_bytes, token=token)
+    app.add_middleware(Guard, limit=cfg.max_body_bytes, token=token, body_timeout_s=cfg.body_timeout_s,
+                       min_body_rate=cfg.min_body_rate)
     return app
 
 
 _SAMPLES = TypeAdapter(list[SampleIn])
 
 
-def _score_batch(fn, name: str, raw: list[dict], cache: OrderedDict, cfg: ServerConfig, state: dict) -> list[dict]:
+def _prepare(fn, name: str, raw: list[dict], cache: OrderedDict, cfg: ServerConfig, state: dict) -> tuple[list, list]:
+    """Parse, check and decode a batch: (results so far, the samples left to score as (index, Sample, cache key))."""
     cache_size = cfg.cache_size
     results: list[dict | None] = [None] * len(raw)
     try:  # fast path: the whole batch is well-formed
@@ -215,7 +192,7 @@ def _score_batch(fn, name: str, raw: list[dict], cache: OrderedDict, cfg: Server
     if sum(pixels.values()) > cfg.max_request_pixels:
         raise TooManyPixels(f"samples: {sum(pixels.values())} pixels of images in one request exceed the limit of "
                             f"{cfg.max_request_pixels} (--max-request-pixels)")
-    todo: list[tuple[int, Sample, str]] = []
+    todo: list[tuple[int, Sample, str, str]] = []  # (index, sample, cache key, sample id)
     for i, s in enumerate(parsed):
         if s is None or results[i] is not None:
             continue
@@ -233,19 +210,27 @@ def _score_batch(fn, name: str, raw: list[dict], cache: OrderedDict, cfg: Server
                 state["cache_hits"] += 1
                 results[i] = _result(fn, s.id, *cache[key])
                 continue
-        todo.append((i, Sample(s.prompt, s.text or "", s.metadata, s.finished, media), key))
-    if todo:
-        scores = list(fn([t[1] for t in todo]))
-        if len(scores) != len(todo):
-            raise RuntimeError(f"returned {len(scores)} scores for {len(todo)} samples")
-        for (i, _, key), score in zip(todo, scores):
-            score, error = _checked(score)
-            results[i] = _result(fn, parsed[i].id, score, error)
-            if cache_size and error is None:  # a failure is not remembered: the next request tries again
-                cache[key] = (score, error)
-                while len(cache) > cache_size:
-                    cache.popitem(last=False)
-    return results  # type: ignore[return-value]
+        todo.append((i, Sample(s.prompt, s.text or "", s.metadata, s.finished, media), key, s.id))
+    return results, todo
+
+
+def _finish(fn, results: list, todo: list, scores: list | None, cache: OrderedDict, cfg: ServerConfig) -> None:
+    """The scorer's answers into `results` (and the cache); scores None: the call ran past its deadline."""
+    if scores is None:
+        error = f"the scorer did not finish within {cfg.score_timeout_s:g} s (--score-timeout-s)"
+        for i, _, _, sid in todo:
+            results[i] = _result(fn, sid, None, error)
+        return
+    scores = list(scores)
+    if len(scores) != len(todo):
+        raise RuntimeError(f"returned {len(scores)} scores for {len(todo)} samples")
+    for (i, _, key, sid), score in zip(todo, scores):
+        score, error = _checked(score)
+        results[i] = _result(fn, sid, score, error)
+        if cfg.cache_size and error is None:  # a failure is not remembered: the next request tries again
+            cache[key] = (score, error)
+            while len(cache) > cfg.cache_size:
+                cache.popitem(last=False)
 
 
 def _checked(score) -> tuple[float | None, str | None]:
@@ -279,49 +264,8 @@ def serve(cfg: ServerConfig, host: str, port: int, log_level: str = "warning", s
     if ready is not None:
         ready()
     logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    # access_log off: request lines are harmless, but a service of ours logs nothing it does not need
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False, http=header_timeout(cfg),
-                ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile)
-
-
-def header_timeout(cfg: ServerConfig):
-    """uvicorn's h11 protocol, closing a connection that has not sent a whole request's headers
-    within cfg.header_timeout_s of connecting or of its last response (a slow client would
-    otherwise hold a connection open for ever)."""
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
-    class HeaderTimeout(H11Protocol):
-        _timer = None
-
-        def connection_made(self, transport):
-            super().connection_made(transport)
-            self._arm()
-
-        def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            if self.cycle is not None and not self.cycle.response_complete:
-                self._disarm()  # a request's headers are in: it is being served
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            self._arm()  # the next request's headers, on a kept-alive connection
-
-        def connection_lost(self, exc) -> None:
-            self._disarm()
-            super().connection_lost(exc)
-
-        def _arm(self) -> None:
-            self._disarm()
-            self._timer = self.loop.call_later(cfg.header_timeout_s, self._too_slow)
-
-        def _disarm(self) -> None:
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
-
-        def _too_slow(self) -> None:
-            self._timer = None
-            if self.cycle is None or self.cycle.response_complete:
-                self.transport.close()
-
-    return HeaderTimeout
+    # access_log off: request lines are harmless, but a service of ours logs nothing it does not need;
+    # SIGTERM waits at most GRACEFUL_S for requests in flight (a stuck scorer's thread is a daemon)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False,
+                http=header_timeout(cfg.header_timeout_s), limit_concurrency=cfg.max_connections,
+                timeout_graceful_shutdown=GRACEFUL_S, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile)
