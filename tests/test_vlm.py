@@ -161,7 +161,10 @@ def test_what_the_image_path_cannot_do_is_refused_by_name(vlm_base, base_model, 
     assert main(["train", f"model.path={base_model}", f"run.dir={tmp_path / 'c'}", "data.eval=null",
                  "model.freeze_vision=true", "log.progress=none"]) == 2
     assert "model.freeze_vision is for vision-language models" in capsys.readouterr().err
-    assert not (tmp_path / "a").exists()  # a new run refused at its start leaves no folder (nor run.lock)
+    assert main(["train", f"model.path={vlm_base}", f"run.dir={tmp_path / 'd'}", "algorithm.name=dpo",
+                 "data.train=builtin:arithmetic:train", "log.progress=none"]) == 2
+    assert "preference pairs with images are not supported" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "d").exists()  # refused at the start: no folder left
 
 
 @pytest.mark.extended  # multi-process: the CI's second tier

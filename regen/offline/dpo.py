@@ -68,15 +68,14 @@ def train_dpo(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
     held_pairs = load_pairs(cfg.data.eval, cfg.task, "data.eval", skip, cfg.data.columns) if cfg.data.eval else []
     eval_items = load_prompts(cfg.data.eval, cfg.task, "data.eval", skip, cfg.data.columns) if cfg.data.eval else []
     quality = Quality(cfg.eval, "lm", cfg.run.seed)  # a wrong metric setting stops before the run dir
-    run_dir, resume = prepare(cfg.run.dir, cfg.run.overwrite, resume)
     setup_torch(cfg.run.threads, cfg.run.seed)
-    state = ckpt.load_latest(run_dir) if resume else None
-
     start, tok = load_model_and_tokenizer(cfg.model, cfg.task, cfg.run.seed)
-    if is_processor(tok):
+    if is_processor(tok):  # refused before the run directory is touched
         raise UserError("algorithm.name=dpo with a vision-language model: preference pairs with images are not "
                         "supported yet; train it with grpo / gspo on prompts with images")
     check_trainable(start, cfg.model)  # model.freeze_vision: refused on a text model
+    run_dir, resume = prepare(cfg.run.dir, cfg.run.overwrite, resume)
+    state = ckpt.load_latest(run_dir) if resume else None
     start = start.to(device).eval()
     max_len = max_positions(start)
     enc_c = _encode(pairs, tok, max_len, "chosen", device)
