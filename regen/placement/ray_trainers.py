@@ -29,6 +29,7 @@ from regen.errors import RunStopped, UserError
 from regen.runtime.dist import GROUP_ENV
 
 GENERATION_ENV = "REGEN_GROUP_GENERATION"  # which start of the group this is (0, then each restart)
+DRIVER_ENV = "REGEN_GROUP_DRIVER"  # host:pid:start-time of the driver, which the actors watch
 
 
 class TrainerWorker:
@@ -58,6 +59,7 @@ class TrainerWorker:
         from regen.train import train
 
         os.environ.update(env)
+        _watch_driver(env.get(DRIVER_ENV))
         if Path(cwd).is_dir():  # relative paths of the config mean what they meant to the driver
             os.chdir(cwd)
         _quiet_libraries()
@@ -119,7 +121,8 @@ class TrainerGroup:
             local_rank = 0 if p["gpus"] else local.index(p)
             out.append({GROUP_ENV: "1", "RANK": str(rank), "WORLD_SIZE": str(len(self.places)),
                         "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(len(local)),
-                        "MASTER_ADDR": master, "MASTER_PORT": str(port), GENERATION_ENV: str(self.generation)})
+                        "MASTER_ADDR": master, "MASTER_PORT": str(port), GENERATION_ENV: str(self.generation),
+                        DRIVER_ENV: f"{socket.gethostname()}:{os.getpid()}:{_started(os.getpid())}"})
         return out
 
     def stop(self) -> None:
@@ -134,6 +137,41 @@ class TrainerGroup:
         for a in self.actors:
             ray.kill(a)
         remove_placement_group(self.pg)
+
+
+def _started(pid: int) -> str | None:
+    """A process's start time (clock ticks since boot, /proc/PID/stat field 22): with the pid it
+    names one process, never a later one that reuses the pid. None when it is gone (or a zombie)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] == "Z" else fields[19]
+
+
+def _watch_driver(driver: str | None, every_s: float = 0.5) -> None:
+    """End this trainer actor's process within about a second of its driver's death (a SIGKILLed
+    driver's actors otherwise trained on for up to 18 steps, writing checkpoints into the run
+    directory its rerun was about to use). The driver is watched where its process can be seen:
+    an actor on the driver's host; on other hosts Ray's own fate-sharing ends the actors."""
+    if not driver:
+        return
+    host, pid, started = driver.rsplit(":", 2)
+    if host != socket.gethostname() or started == "None" or _started(int(pid)) != started:
+        return  # another host, or a process namespace (a container) where the driver cannot be seen
+
+    def watch():
+        import time
+
+        while _started(int(pid)) == started:
+            time.sleep(every_s)
+        print(f"regen: the trainer group's driver (pid {pid}) is gone: this trainer stops", file=sys.stderr,
+              flush=True)
+        os._exit(1)  # at once: no further step or checkpoint (a half-written one is a .tmp folder, ignored)
+
+    import threading
+
+    threading.Thread(target=watch, daemon=True, name="regen-driver-watch").start()
 
 
 def train_group(cfg, resume: bool = False, force: bool = False) -> dict:
