@@ -278,7 +278,14 @@ def two_steps(base_model, flow_base, critic_folder, tiny_clip, tmp_path_factory)
     return run
 
 
-@pytest.mark.parametrize("method,needs,case", CASES, ids=[f"{m}:{c}" for m, _, c in CASES])
+# The first case of each method runs in the main tier; the other cases (about two minutes of 2-step runs
+# on 2 cores) in the extended tier, which CI runs too.
+_FIRST = {m: c for m, _, c in reversed(CASES)}
+_PARAMS = [pytest.param(m, n, c, id=f"{m}:{c}", marks=() if _FIRST[m] == c else pytest.mark.extended)
+           for m, n, c in CASES]
+
+
+@pytest.mark.parametrize("method,needs,case", _PARAMS)
 def test_each_key_a_method_reads_changes_its_run(two_steps, method, needs, case):
     assert _differs(two_steps(method, tuple(needs)), two_steps(method, (*needs, case))), \
         f"{method}: {case} was accepted but changed nothing"
