@@ -13,9 +13,9 @@ quiet() {  # pip's build chatter goes to the log, shown only if something fails
   "$@" >"$log" 2>&1 || { cat "$log"; echo "setup failed: $*" >&2; exit 1; }
 }
 echo "setting up .venv (torch, then regen and its dependencies; log in $log)"
-# --no-compile: byte-compiling every installed module took over a minute of the set-up on 2 cores;
-# Python compiles the modules a run imports, once, when it first imports them
-quiet python -m pip install --no-compile --disable-pip-version-check --upgrade pip
-quiet python -m pip install --no-compile --disable-pip-version-check "torch==2.13.0"
-quiet python -m pip install --no-compile --disable-pip-version-check -e ".[dev]${REGEN_EXTRAS:+,$REGEN_EXTRAS}"
+# byte-compiled at install (pip's default): where PYTHONDONTWRITEBYTECODE is set, as on our CI machines,
+# nothing is compiled later, and every process would compile torch and transformers from source
+quiet python -m pip install --disable-pip-version-check --upgrade pip
+quiet python -m pip install --disable-pip-version-check "torch==2.13.0"
+quiet python -m pip install --disable-pip-version-check -e ".[dev]${REGEN_EXTRAS:+,$REGEN_EXTRAS}"
 python -c "import regen, torch; print(f'regen {regen.__version__} ready (torch {torch.__version__})')"

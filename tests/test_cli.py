@@ -54,7 +54,8 @@ def test_user_errors_are_one_clear_line(tmp_path, args, message, capsys, monkeyp
 
 @pytest.mark.parametrize("args, message", [
     (["train", "model.path=m", "rollout.temprature=0.5"], "did you mean 'rollout.temperature'"),
-    (["train", "model.path=./no/such/model", "data.eval=null"], "model.path: folder './no/such/model' not found"),
+    pytest.param(["train", "model.path=./no/such/model", "data.eval=null"], "model.path: folder './no/such/model' "
+                 "not found", marks=pytest.mark.extended),  # a second `regen` subprocess (~8 s): the extended tier
 ])
 def test_the_real_command_prints_one_line_and_exits_2(tmp_path, args, message):
     res = run(*args, f"run.dir={tmp_path / 'run'}", cwd=tmp_path)  # nothing else reaches stderr

@@ -49,6 +49,7 @@ def test_a_reward_module_beside_the_config_or_in_the_folder_imports(base_model, 
     assert "reward/my_scores:ends_even" in done.stdout
 
 
+@pytest.mark.extended  # two `regen` subprocesses (~11 s): second CI tier, keeps scripts/test.sh short
 def test_each_verb_says_which_rows_it_needs(base_model, tmp_path):
     (tmp_path / "demos.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
     done = regen("sft", f"model.path={base_model}", "data.train=demos.jsonl", "data.eval=null", cwd=tmp_path)
@@ -102,6 +103,7 @@ def test_the_live_bar_keeps_the_alert_kind(capsys):
     assert "ALERT [reward_missing] step 3" in capsys.readouterr().err
 
 
+@pytest.mark.extended  # two `regen` subprocesses (~11 s): second CI tier, keeps scripts/test.sh short
 def test_lora_keys_are_listed_and_misnamed_ones_suggested(tmp_path):
     helped = regen("train", "--help-config", cwd=tmp_path).stdout
     for key in ("model.lora.r", "model.lora.alpha", "model.lora.target_modules", "log.wandb.mode"):

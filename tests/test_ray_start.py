@@ -11,6 +11,7 @@ pytest.importorskip("ray")
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.extended  # waits out Ray's own connection attempts (~9 s): second CI tier
 def test_joining_no_cluster_is_one_clear_error_before_the_run_directory(base_model, tmp_path):
     run = tmp_path / "run"
     done = subprocess.run([sys.executable, "-m", "regen", "train", f"model.path={base_model}", f"run.dir={run}",

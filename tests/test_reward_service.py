@@ -173,6 +173,7 @@ def test_server_error_retries_then_missing(server):
     assert f"error id {error_id}" in log and "scorer exploded" in log
 
 
+@pytest.mark.extended  # a service killed and started again (~9 s): second CI tier, keeps scripts/test.sh short
 def test_killed_server_then_back_with_circuit_breaker():
     srv = Server("exact_match").start()
     c = client(srv.url, retries=1, breaker_failures=2, breaker_cooldown_s=0.5)
