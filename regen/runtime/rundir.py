@@ -8,6 +8,7 @@ import os
 import shutil
 import socket
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from regen.errors import UserError
@@ -47,6 +48,21 @@ def prepare(run_dir: str, overwrite: bool, resume: bool) -> tuple[Path, bool]:
             p = path / name
             shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
     return path, resume
+
+
+@contextmanager
+def undone_on_failure(run_dir: Path, fresh: bool, main: bool = True):
+    """The start of a run in its locked directory: if anything fails before the first step, release
+    the lock, and remove the directory when this start created it (nothing of a run is in it yet).
+    main: this process prepared the directory (torchrun: rank 0)."""
+    try:
+        yield
+    except BaseException:
+        if main:
+            unlock(run_dir)
+            if fresh:
+                shutil.rmtree(run_dir, ignore_errors=True)
+        raise
 
 
 def write_folder(final: Path, write) -> Path:

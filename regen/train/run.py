@@ -11,7 +11,6 @@ books are kept here.
 
 from __future__ import annotations
 
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +42,7 @@ from regen.runtime.rundir import (
     mark_closed,
     mark_running,
     setup_torch,
-    unlock,
+    undone_on_failure,
     versions,
     write_folder,
 )
@@ -103,14 +102,8 @@ class Run:
             start_ray(cfg)
         fresh = not Path(cfg.run.dir).exists()
         run_dir, resume = prepare_on_rank0(cfg, resume, d)
-        try:
+        with undone_on_failure(run_dir, fresh, d.main):  # refused or failed before the first step
             return cls._open(cfg, run_dir, resume, force, d, device, reward, prompts, eval_items, tasks, quality)
-        except BaseException:  # refused or failed before the first step: release the run directory, and
-            if d.main:  # remove it when this start created it (nothing of a run is in it yet)
-                unlock(run_dir)
-                if fresh:
-                    shutil.rmtree(run_dir, ignore_errors=True)
-            raise
 
     @classmethod
     def _open(cls, cfg: RLConfig, run_dir: Path, resume: bool, force: bool, d, device, reward, prompts, eval_items,
