@@ -10,6 +10,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from regen.cli.eval_joint import joint_names
 from regen.errors import UserError
 from regen.runtime import checkpoint as ckpt
 from regen.runtime.rundir import write_folder
@@ -27,7 +28,7 @@ def cmd_export(args) -> int:
         from regen.quality.gates import require
 
         require(folder)
-    names = [] if (folder / "model").is_dir() else sorted(q.name for q in folder.iterdir() if (q / "model").is_dir())
+    names = joint_names(folder)  # a joint run's checkpoint: one folder per model
     if not names and not (folder / "model").is_dir():
         raise UserError(f"export: checkpoint '{folder}' holds no model/ folder")
 
@@ -37,8 +38,7 @@ def cmd_export(args) -> int:
 
     try:
         write_folder(out, write)
-    except ckpt.WRITE_ERRORS as e:
-        shutil.rmtree(out.with_name(f".tmp-{out.name}"), ignore_errors=True)
+    except ckpt.WRITE_ERRORS as e:  # write_folder left nothing behind
         why = getattr(e, "strerror", None) or str(e).splitlines()[0]
         raise UserError(f"export: writing '{out}' failed ({why}); nothing was left there") from None
     print(f"exported {folder} to {out}" + (f" ({', '.join(f'{out / n}' for n in names)})" if names else ""))

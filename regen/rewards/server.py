@@ -72,6 +72,7 @@ class TooManyPixels(Exception):
 def create_app(cfg: ServerConfig) -> FastAPI:
     fns = resolve_rewards(cfg.rewards, cfg.args)
     scorers = Scorers(fns, cfg.rewards, cfg.args, cfg.score_timeout_s, cfg.scorer_processes, cfg.max_concurrency)
+
     @asynccontextmanager
     async def lifespan(_app):
         yield
@@ -161,7 +162,8 @@ _SAMPLES = TypeAdapter(list[SampleIn])
 
 
 def _prepare(fn, name: str, raw: list[dict], cache: OrderedDict, cfg: ServerConfig, state: dict) -> tuple[list, list]:
-    """Parse, check and decode a batch: (results so far, the samples left to score as (index, Sample, cache key))."""
+    """Parse, check and decode a batch: (results so far, the samples left to score as (index, Sample,
+    cache key, sample id))."""
     cache_size = cfg.cache_size
     results: list[dict | None] = [None] * len(raw)
     try:  # fast path: the whole batch is well-formed

@@ -70,7 +70,11 @@ def write_folder(final: Path, write) -> Path:
     exists only complete (an export killed half-way is not mistaken for one)."""
     tmp = final.with_name(f".tmp-{final.name}")
     shutil.rmtree(tmp, ignore_errors=True)
-    write(tmp)
+    try:
+        write(tmp)
+    except BaseException:  # a full disk, a bad model: nothing half-written is left beside `final`
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if final.exists():
         old = final.with_name(f".del-{final.name}")
         shutil.rmtree(old, ignore_errors=True)
