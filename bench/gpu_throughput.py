@@ -15,6 +15,9 @@ the peak memory the loop reached can be read afterwards:
   (a random model over 151936 ids almost never samples EOS, so nearly every completion is 128
   tokens long). tokens/s = generated tokens (`response_length/mean` x batch, EOS included) / sum of
   `time/step_s`; "sample only" divides the same tokens by `time/sample_s` (generation alone).
+- `lm_generate`: the baseline of `lm`'s sampling, measured in the same run: transformers' own `generate()` on the
+  same saved model and batch (8 arithmetic prompts x 8, temperature 1, no top-k, exactly the same number of new
+  tokens), median of 4 calls after a warm-up; the LM rows add their "sample only" as a multiple of it.
 - `lm_colocate`: the same run with `distributed.colocate=true`: AdamW's moments parked in CPU memory while
   sampling, and each phase's own peak (`memory/sample_peak_mb`, `memory/update_peak_mb`, logged by regen)
   printed after the row. Against `lm`: the sampling phase's peak should drop by about the moments
@@ -52,7 +55,7 @@ stops after its current step once --part-limit seconds (default 150) have passed
 
 Run from the repository root with the project's virtualenv:
 
-    python bench/gpu_throughput.py --only lm,lm_colocate,lm_vllm,lm_vllm_ray --out /tmp/gpu_lm.json   # GPU: the LM parts
+    python bench/gpu_throughput.py --only lm_generate,lm,lm_colocate,lm_vllm,lm_vllm_ray --out /tmp/gpu_lm.json   # GPU: LM parts
     python bench/gpu_throughput.py --only flow --out /tmp/gpu_flow.json                   # GPU: the flow parts
     python bench/gpu_throughput.py --only lm --steps 20 --lm-batch 128    # one part, other sizes
     python bench/gpu_throughput.py --tiny --out /tmp/gt.json              # CPU smoke test, ~10 s on 2 cores
@@ -121,17 +124,27 @@ SD3_MEDIUM = dict(
     text_len=77,
     joint=512,
 )
-PARTS = ("lm", "lm_colocate", "lm_vllm", "lm_vllm_ray", "nft", "flow_grpo")
+PARTS = ("lm_generate", "lm", "lm_colocate", "lm_vllm", "lm_vllm_ray", "nft", "flow_grpo")
 # the language-model parts: the same GRPO run, alone, colocated (distributed.colocate: AdamW state parked in CPU
 # memory while sampling, each phase's peak logged), and colocated with an in-process vLLM engine put to sleep
 # for every update (skipped with a line where vLLM is not installed)
-LM_PARTS = {"lm": [], "lm_colocate": ["distributed.colocate=true"],
-            "lm_vllm": ["distributed.colocate=true", "rollout.engine=vllm", "rollout.vllm_memory=0.3"],
-            # vLLM on one Ray rollout actor sharing the GPU (0.4 of it for Ray's books, 0.3 of its memory for
-            # vLLM's), the trainer in this process; bf16 sync in 256 MB buckets: sync/s and sync/mb in its row
-            "lm_vllm_ray": ["distributed.mode=ray", "distributed.rollout_workers=1", "distributed.reward_workers=1",
-                            "distributed.rollout_resources={num_gpus: 0.4, num_cpus: 1}", "rollout.engine=vllm",
-                            "rollout.vllm_memory=0.3", "distributed.sync_dtype=bfloat16"]}
+LM_PARTS = {
+    "lm_generate": [],
+    "lm": [],
+    "lm_colocate": ["distributed.colocate=true"],
+    "lm_vllm": ["distributed.colocate=true", "rollout.engine=vllm", "rollout.vllm_memory=0.3"],
+    # vLLM on one Ray rollout actor sharing the GPU (0.4 of it for Ray's books, 0.3 of its memory for
+    # vLLM's), the trainer in this process; bf16 sync in 256 MB buckets: sync/s and sync/mb in its row
+    "lm_vllm_ray": [
+        "distributed.mode=ray",
+        "distributed.rollout_workers=1",
+        "distributed.reward_workers=1",
+        "distributed.rollout_resources={num_gpus: 0.4, num_cpus: 1}",
+        "rollout.engine=vllm",
+        "rollout.vllm_memory=0.3",
+        "distributed.sync_dtype=bfloat16",
+    ],
+}
 COLOURS, SHAPES, POSITIONS = (
     ("red", "green", "blue", "yellow", "white"),
     ("circle", "square", "triangle"),
@@ -170,6 +183,43 @@ def build_lm(folder: Path, shape: dict, dtype: str, seed: int) -> int:
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return n
+
+
+def generate_baseline(folder: Path, batch: int, new_tokens: int, device: str, reps: int = 4) -> dict:
+    """The baseline of regen's sampling: transformers' own `generate()` on the same saved model and batch (8
+    arithmetic prompts x 8, sampled at temperature 1 with no top-k, exactly `new_tokens` new tokens each),
+    timed over `reps` calls after one warm-up call. generated tokens / seconds per call."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from regen.tasks.arithmetic import prompts as arithmetic_prompts
+
+    tok = AutoTokenizer.from_pretrained(folder, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype="auto").to(device).eval()
+    prompts = [item.prompt for item in arithmetic_prompts("train", 2, 20)[: batch // 8]]
+    enc = tok([x for x in prompts for _ in range(8)], return_tensors="pt", padding=True).to(device)
+    kw = dict(
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        pad_token_id=tok.pad_token_id,
+    )
+    seconds = []
+    with torch.no_grad():
+        for i in range(reps + 1):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = model.generate(**enc, **kw)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            if i:  # the first call warms kernels and the allocator
+                seconds.append(time.perf_counter() - t0)
+    tokens = (out.shape[1] - enc["input_ids"].shape[1]) * batch
+    del model
+    return {"tokens_per_call": tokens, "call_s": seconds, "per_s": tokens / statistics.median(seconds)}
 
 
 def write_prompts(path: Path) -> Path:
@@ -270,11 +320,17 @@ def figures(rows: list[dict], warmup: int, per_step) -> dict:
         "median_step_ms": 1000 * statistics.median(r["time/step_s"] for r in kept),
         "step_ms": [round(1000 * r["time/step_s"], 1) for r in rows],
         # distributed.colocate: each phase's own peak (CUDA allocator; CPU: peak resident set), max over the steps
-        **{f"{ph}_peak_mib": max(r[f"memory/{ph}_peak_mb"] for r in kept)
-           for ph in ("sample", "update") if all(f"memory/{ph}_peak_mb" in r for r in kept)},
+        **{
+            f"{ph}_peak_mib": max(r[f"memory/{ph}_peak_mb"] for r in kept)
+            for ph in ("sample", "update")
+            if all(f"memory/{ph}_peak_mb" in r for r in kept)
+        },
         # Ray rollout actors: what each weight sync cost (seconds to pack and put, MB sent)
-        **{f"sync_{k}_median": statistics.median(r[f"sync/{k}"] for r in kept)
-           for k in ("s", "mb") if all(f"sync/{k}" in r for r in kept)},
+        **{
+            f"sync_{k}_median": statistics.median(r[f"sync/{k}"] for r in kept)
+            for k in ("s", "mb")
+            if all(f"sync/{k}" in r for r in kept)
+        },
     }
 
 
@@ -288,12 +344,27 @@ HEADER = (
 )
 
 
-def row_line(r: dict) -> str:
+def baseline(results: list[dict]) -> float | None:
+    """lm_generate's tok/s when that part ran."""
+    return next((r["generate"]["per_s"] for r in results if "generate" in r), None)
+
+
+def row_line(r: dict, baseline: float | None = None) -> str:
+    """One part's row; `baseline`: lm_generate's tok/s, against which the LM parts' sampling is put."""
+    if "generate" in r:
+        g = r["generate"]
+        return (
+            f"{r['part']:<10} {r['model']:<24} {fmt_params(r['params']):>8} {r['batch']:>10} {len(g['call_s']):>6} "
+            f"{'':>16} {g['per_s']:>10.1f} tok/s  (transformers generate(), the baseline)"
+        )
     if r.get("skipped"):
         return f"{r['part']:<10} skipped: {r['error']}"
     f = r["figures"]
-    phases = f" | phase peaks MiB: sample {f['sample_peak_mib']:.0f}, update {f['update_peak_mib']:.0f}" \
-        if "sample_peak_mib" in f else ""
+    phases = (
+        f" | phase peaks MiB: sample {f['sample_peak_mib']:.0f}, update {f['update_peak_mib']:.0f}"
+        if "sample_peak_mib" in f
+        else ""
+    )
     if not f.get("measured_steps"):
         return f"{r['part']:<10} {r['model']:<24} {fmt_params(r['params']):>8} {r['batch']:>10} no steps: {r['error']}"
     unit = r["unit"]
@@ -301,6 +372,7 @@ def row_line(r: dict) -> str:
         f"{r['part']:<10} {r['model']:<24} {fmt_params(r['params']):>8} {r['batch']:>10} {f['measured_steps']:>6} "
         f"{f['per_s']:>10.1f} {unit:<5} {f['sample_per_s']:>10.1f} {unit:<5} {100 * f['sample_share']:>7.0f}% "
         f"{f['median_step_ms']:>11.1f} {r['peak_gib']:>8.2f} {r['call_s']:>7.1f}{phases}"
+        + (f" | sample only = {f['sample_per_s'] / baseline:.2f}x generate()" if baseline and unit == "tok/s" else "")
     )
 
 
@@ -423,10 +495,32 @@ def main() -> None:
             build_s = time.perf_counter() - t0
             label = "Qwen2 random (tiny)" if a.tiny else "Qwen2.5-0.5B shape, rand"
         for part in lm_parts:
+            if part == "lm_generate":
+                print(
+                    f"\n== lm_generate: transformers generate() on the same model, {lm_batch} x {new_tokens} "
+                    "new tokens, median of 4 calls after one warm-up (the baseline of the lm parts' sample only)",
+                    flush=True,
+                )
+                gc.collect()
+                g = generate_baseline(work / "lm", lm_batch, new_tokens, a.device)
+                results.append(
+                    {
+                        "part": part,
+                        "model": label,
+                        "params": n,
+                        "batch": f"{lm_batch}x{new_tokens}",
+                        "unit": "tok/s",
+                        "generate": g,
+                    }
+                )
+                print(f"lm_generate {g['per_s']:.1f} tok/s (calls: {', '.join(f'{x:.2f}' for x in g['call_s'])} s)", flush=True)
+                save()
+                continue
             missing = [m for m in ("vllm", "ray")[: 1 + (part == "lm_vllm_ray")] if importlib.util.find_spec(m) is None]
             if part.startswith("lm_vllm") and missing:
-                print(f"\n== {part}: skipped, {' and '.join(missing)} not installed (pip install in this environment)",
-                      flush=True)
+                print(
+                    f"\n== {part}: skipped, {' and '.join(missing)} not installed (pip install in this environment)", flush=True
+                )
                 results.append({"part": part, "error": f"{', '.join(missing)} not installed", "skipped": True})
                 save()
                 continue
@@ -461,7 +555,7 @@ def main() -> None:
                     "figures": fig,
                 }
             )
-            print(HEADER + "\n" + row_line(results[-1]), flush=True)
+            print(HEADER + "\n" + row_line(results[-1], baseline(results)), flush=True)
             save()
         flow_parts = [x for x in parts if x not in LM_PARTS]
         if flow_parts:
@@ -523,8 +617,8 @@ def main() -> None:
     )
     print(HEADER)
     for r in results:
-        print(row_line(r))
-        if not r.get("skipped") and (r["error"] or r["stopped_early"]):
+        print(row_line(r, baseline(results)))
+        if not r.get("skipped") and (r.get("error") or r.get("stopped_early")):
             notes = ["stopped at --part-limit"] * r["stopped_early"] + [r["error"]] * bool(r["error"])
             print(f"    {r['part']}: {'; '.join(notes)}")
     if a.out:
