@@ -55,7 +55,7 @@ stops after its current step once --part-limit seconds (default 150) have passed
 
 Run from the repository root with the project's virtualenv:
 
-    python bench/gpu_throughput.py --only lm_generate,lm,lm_colocate,lm_vllm,lm_vllm_ray --out /tmp/gpu_lm.json   # GPU: LM parts
+    python bench/gpu_throughput.py --only lm_generate,lm,lm_colocate,lm_vllm,lm_vllm_ray --out /tmp/gpu_lm.json  # GPU: LM
     python bench/gpu_throughput.py --only flow --out /tmp/gpu_flow.json                   # GPU: the flow parts
     python bench/gpu_throughput.py --only lm --steps 20 --lm-batch 128    # one part, other sizes
     python bench/gpu_throughput.py --tiny --out /tmp/gt.json              # CPU smoke test, ~10 s on 2 cores
