@@ -218,7 +218,7 @@ def cmd_sft(args) -> int:
 
     if launched_by_torchrun():
         raise UserError("regen sft runs in one process; start it with python / regen, not torchrun")
-    summary = (sft_flow if is_flow_model(cfg.model) else sft)(cfg, resume=args.resume)
+    summary = (sft_flow if is_flow_model(cfg.model) else sft)(cfg, resume=args.resume, force=args.force)
     if not summary.get("stopped_early"):
         _print_summary(summary)
     return 0
@@ -232,7 +232,7 @@ def cmd_rm(args) -> int:
         return 0
     from regen.offline.rm import train_rm
 
-    summary = train_rm(cfg, resume=args.resume)
+    summary = train_rm(cfg, resume=args.resume, force=args.force)
     if not summary.get("stopped_early"):
         _print_summary(summary)
     return 0

@@ -22,6 +22,7 @@ from regen.config.ops import (  # noqa: F401  (re-exported: regen.config is the 
     LogConfig,
     MirrorConfig,
     MlflowSettings,
+    OfflineHealthConfig,
     WandbSettings,
 )
 from regen.config.tasks import (  # noqa: F401  (RewardTerm, TaskConfig: re-exported)
@@ -349,6 +350,10 @@ class RLConfig(Section):
         return self.rollout.global_batch_size // self.train.global_minibatch_size
 
 
+# the rollout keys `regen sft` of a language model reads: its held-out evaluation samples with them
+SFT_ROLLOUT = ("temperature", "top_p", "max_new_tokens", "stop_tokens")
+
+
 class SFTConfig(Section):
     """`regen sft`: supervised fine-tuning on prompt/completion demonstrations."""
 
@@ -363,7 +368,22 @@ class SFTConfig(Section):
         default_factory=RolloutConfig, description="Sampling settings used by held-out evaluation."
     )
     checkpoint: CheckpointConfig = Field(default_factory=lambda: CheckpointConfig(every=0))
+    health: OfflineHealthConfig = Field(default_factory=OfflineHealthConfig)
     log: LogConfig = Field(default_factory=lambda: LogConfig(every=200))
+
+    def unread(self, given) -> list[str]:
+        """Messages for keys the user set that `regen sft` does not read: of rollout.*, held-out evaluation of a
+        language model reads only the sampling settings (SFT_ROLLOUT); a flow model's none."""
+        from regen.policies.flow_load import is_flow_model
+
+        keys = [k for k in given if k.startswith("rollout.")]
+        if not keys:
+            return []
+        if is_flow_model(self.model):
+            return [f"{k} is not read by `regen sft` of a flow model (its held-out samples take 20 ODE steps)"
+                    for k in sorted(keys)]
+        return [f"{k} is not read by `regen sft` (held-out evaluation reads only rollout.{', rollout.'.join(SFT_ROLLOUT)})"
+                for k in sorted(keys) if k.removeprefix("rollout.").split(".")[0] not in SFT_ROLLOUT]
 
     @model_validator(mode="after")
     def _no_chat(self) -> SFTConfig:

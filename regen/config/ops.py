@@ -92,6 +92,22 @@ class MlflowSettings(Section):
         return self
 
 
+class OfflineHealthConfig(Section):
+    """health of `regen sft` and `regen rm`: the non-finite rules of RL runs (regen/offline/books.py)."""
+
+    rollback_after_nonfinite: int = Field(
+        3, ge=1, description="Roll back to the last healthy checkpoint (or the starting model) after this many "
+        "consecutive steps whose loss or gradient was not finite (each one is skipped, with an alert)."
+    )
+    rollback_lr_factor: float = Field(0.5, gt=0.0, le=1.0, description="Multiply the learning rate by this at each rollback.")
+    max_rollbacks: int = Field(3, ge=0, description="Stop the run (nothing exported) instead of rolling back more "
+                               "often than this.")
+    stall_alert_s: float = Field(
+        3600.0, gt=0.0, description="Alert when no checkpoint has been written for this many seconds."
+    )
+    webhook_url: str | None = Field(None, description="POST every alert as JSON to this URL (in the background).")
+
+
 class LogConfig(Section):
     tensorboard: bool = Field(True, description="Write TensorBoard event files into the run directory.")
     progress: Literal["auto", "bar", "lines", "none"] = Field(

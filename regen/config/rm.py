@@ -6,7 +6,17 @@ from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
-from regen.config import CheckpointConfig, DataConfig, EvalConfig, LogConfig, ModelConfig, OptimConfig, RunConfig, TaskConfig
+from regen.config import (
+    CheckpointConfig,
+    DataConfig,
+    EvalConfig,
+    LogConfig,
+    ModelConfig,
+    OfflineHealthConfig,
+    OptimConfig,
+    RunConfig,
+    TaskConfig,
+)
 from regen.config.base import Section
 
 
@@ -47,6 +57,7 @@ class RMConfig(Section):
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-4))
     eval: RMEvalConfig = Field(default_factory=RMEvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=lambda: CheckpointConfig(every=0))
+    health: OfflineHealthConfig = Field(default_factory=OfflineHealthConfig)
     log: LogConfig = Field(default_factory=lambda: LogConfig(every=20))
 
     @model_validator(mode="after")

@@ -8,28 +8,23 @@ first step, and kept (no reference model stays in memory during training).
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.nn.functional as F
 
 from regen.algorithms import dpo_loss
-from regen.config import RLConfig, dump_config
+from regen.config import RLConfig
 from regen.data import Demo, EpochSampler, load_pairs, load_prompts
 from regen.errors import UserError
 from regen.modalities.lm_eval import fmt_eval, run_eval
-from regen.offline import close_offline
+from regen.offline.books import Model, OfflineRun
 from regen.offline.sft import IGNORE, encode_demos
 from regen.policies.lm import LMPolicy, apply_lora, configure_prompts, load_model_and_tokenizer, max_positions, resolve_device
 from regen.policies.vlm import check_trainable, is_processor
 from regen.quality import Quality, gates
 from regen.runtime import checkpoint as ckpt
 from regen.runtime.loggers import require as require_loggers
-from regen.runtime.metrics import MetricsLogger
-from regen.runtime.optim import lr_at, make_optimizer, set_lr
-from regen.runtime.progress import StepProgress
-from regen.runtime.rundir import mark_running, prepare, setup_torch
-from regen.runtime.signals import GracefulStop
+from regen.runtime.optim import make_optimizer
+from regen.runtime.rundir import setup_torch
 
 
 def sequence_logprobs(model, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -74,70 +69,43 @@ def train_dpo(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
         raise UserError("algorithm.name=dpo with a vision-language model: preference pairs with images are not "
                         "supported yet; train it with grpo / gspo on prompts with images")
     check_trainable(start, cfg.model)  # model.freeze_vision: refused on a text model
-    run_dir, resume = prepare(cfg.run.dir, cfg.run.overwrite, resume)
-    state = ckpt.load_latest(run_dir) if resume else None
-    start = start.to(device).eval()
-    max_len = max_positions(start)
-    enc_c = _encode(pairs, tok, max_len, "chosen", device)
-    enc_r = _encode(pairs, tok, max_len, "rejected", device)
-    ref_c, ref_r = _all_logprobs(start, enc_c), _all_logprobs(start, enc_r)  # cached once
-    if cfg.model.lora is not None:  # adapter on the starting weights (saved adapter when resuming)
-        start = apply_lora(start, cfg.model.lora, None if state is None else state["model_dir"])
-    elif state is not None:
-        start, tok = load_model_and_tokenizer(ckpt.resumed_model(cfg.model, state), cfg.task, cfg.run.seed)
-    policy = LMPolicy(start, tok, device)
-    configure_prompts(policy, cfg)
-    policy.model.eval()  # dropout off, as in RL
-    held = [_encode(held_pairs, tok, max_len, w, device) for w in ("chosen", "rejected")] if held_pairs else None
-    opt = make_optimizer(policy.model, cfg.optim)
-    data = EpochSampler(len(pairs), cfg.run.seed)
-    step0 = ckpt.restore(state, run_dir, opt, data) if state is not None else 0
-    dump_config(cfg, run_dir / "config.yaml")
-    mark_running(run_dir)  # run.json, for `regen status`
-    log = MetricsLogger(run_dir, cfg.log, config=cfg, resume=state is not None)
-    params = [p for p in policy.model.parameters() if p.requires_grad]
+    with OfflineRun.starting(cfg, "dpo", resume, force) as run:
+        state = run.state
+        start = start.to(device).eval()
+        max_len = max_positions(start)
+        enc_c = _encode(pairs, tok, max_len, "chosen", device)
+        enc_r = _encode(pairs, tok, max_len, "rejected", device)
+        ref_c, ref_r = _all_logprobs(start, enc_c), _all_logprobs(start, enc_r)  # cached once
+        if cfg.model.lora is not None:  # adapter on the starting weights (saved adapter when resuming)
+            start = apply_lora(start, cfg.model.lora, None if state is None else state["model_dir"])
+        elif state is not None:
+            start, tok = load_model_and_tokenizer(ckpt.resumed_model(cfg.model, state), cfg.task, cfg.run.seed)
+        policy = LMPolicy(start, tok, device)
+        configure_prompts(policy, cfg)
+        policy.model.eval()  # dropout off, as in RL
+        held = [_encode(held_pairs, tok, max_len, w, device) for w in ("chosen", "rejected")] if held_pairs else None
 
-    def evaluate_all(step: int) -> dict[str, float]:
-        out = run_eval(policy, eval_items, cfg, None, run_dir, step, quality) if eval_items else {}
+        def reload(folder):
+            if cfg.model.lora is not None:  # the starting weights with the checkpoint's adapter (or a fresh one)
+                return apply_lora(load_model_and_tokenizer(cfg.model, cfg.task, cfg.run.seed)[0], cfg.model.lora, folder)
+            source = cfg.model if folder is None else cfg.model.model_copy(update={"path": str(folder), "init": None})
+            return load_model_and_tokenizer(source, cfg.task, cfg.run.seed)[0]
+
+        run.begin(Model(policy.model, policy.save_pretrained, reload, policy.export),
+                  make_optimizer(policy.model, cfg.optim), EpochSampler(len(pairs), cfg.run.seed))
+
+    def evaluate(step: int) -> dict[str, float]:
+        out = run_eval(policy, eval_items, cfg, None, run.run_dir, step, quality) if eval_items else {}
         if held is not None:
             out["eval/preference_accuracy"] = preference_accuracy(policy.model, *held)
         return out | gates.check(cfg.eval.gates, out)
 
-    before = evaluate_all(0) if step0 == 0 else {}
-    if before:
-        log.log(0, before)
-    with StepProgress(t.steps, step0, cfg.log.progress, cfg.log.every, "dpo", cfg.log.every_s) as bar, \
-            GracefulStop(bar.print) as stop:
-        if before:
-            bar.print(f"held-out before training: {fmt_eval(before)}")
-        step = step0
-        for step in range(step0 + 1, t.steps + 1):
-            t0 = time.perf_counter()
-            idx = torch.tensor(data.take(t.global_minibatch_size), device=device)
-            pc = sequence_logprobs(policy.model, *(x[idx] for x in enc_c))
-            pr = sequence_logprobs(policy.model, *(x[idx] for x in enc_r))
-            loss, m = dpo_loss(pc, pr, ref_c[idx], ref_r[idx], a.dpo_beta, a.dpo_label_smoothing, a.dpo_loss)
-            lr = lr_at(step, cfg.optim, t.steps)
-            set_lr(opt, lr)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            gn = torch.nn.utils.clip_grad_norm_(params, t.grad_clip if t.grad_clip > 0 else float("inf"))
-            if torch.isfinite(loss) and torch.isfinite(gn):
-                opt.step()
-            dt = time.perf_counter() - t0
-            metrics = {k: float(v) for k, v in m.items()} | {
-                "grad_norm": float(gn), "lr": lr, "time/step_s": dt, "throughput/pairs_per_s": len(idx) / dt}
-            if cfg.eval.every and step % cfg.eval.every == 0 and step != t.steps:
-                metrics.update(evaluate_all(step))
-            log.log(step, metrics)
-            bar.update(step, f"loss {metrics['loss']:.3f}  acc {metrics['rewards/accuracy']:.2f}")
-            if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != t.steps:
-                ckpt.save_offline(run_dir, step, policy, opt, data, cfg.checkpoint.keep_last)
-            if stop.requested:  # SIGINT / SIGTERM: this step is done; checkpoint and exit
-                break
-        last = ckpt.save_offline(run_dir, step, policy, opt, data, cfg.checkpoint.keep_last)
-        after = evaluate_all(step) if step == t.steps else {}
-        if after:
-            log.log(step, after)
-    return close_offline(run_dir, log, step, t.steps, last, policy.export, {"eval_before": before, "eval_after": after})
+    def step_fn(step: int):
+        idx = torch.tensor(run.data.take(t.global_minibatch_size), device=device)
+        pc = sequence_logprobs(policy.model, *(x[idx] for x in enc_c))
+        pr = sequence_logprobs(policy.model, *(x[idx] for x in enc_r))
+        return (*dpo_loss(pc, pr, ref_c[idx], ref_r[idx], a.dpo_beta, a.dpo_label_smoothing, a.dpo_loss), len(idx))
 
+    return run.train("dpo", t.steps, t.grad_clip, step_fn, evaluate, cfg.eval.every, eval_before=True,
+                     show=lambda m: f"loss {m['loss']:.3f}  acc {m['rewards/accuracy']:.2f}", unit="pairs",
+                     said=lambda before, after: None if after else f"held-out before training: {fmt_eval(before)}")

@@ -4,26 +4,21 @@ on imperfect demonstrations."""
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.nn.functional as F
 
-from regen.config import SFTConfig, dump_config
+from regen.config import SFTConfig
 from regen.data import Demo, EpochSampler, load_demos, load_prompts
 from regen.errors import DataError
 from regen.modalities.lm_eval import run_eval
-from regen.offline import close_offline
+from regen.offline.books import Model, OfflineRun
 from regen.policies.lm import LMPolicy, configure_prompts, load_model_and_tokenizer, max_positions, resolve_device
 from regen.policies.vlm import VisionPrompt, check_trainable, encode, is_processor, select_vision
 from regen.quality import Quality, gates
 from regen.runtime import checkpoint as ckpt
 from regen.runtime.loggers import require as require_loggers
-from regen.runtime.metrics import MetricsLogger
-from regen.runtime.optim import lr_at, make_optimizer, sft_step
-from regen.runtime.progress import StepProgress
-from regen.runtime.rundir import mark_running, prepare, setup_torch
-from regen.runtime.signals import GracefulStop
+from regen.runtime.optim import make_optimizer
+from regen.runtime.rundir import setup_torch
 
 IGNORE = -100
 
@@ -67,74 +62,47 @@ def demo_vision(demos: list[Demo], tok, device) -> dict:
     return encode(tok, [VisionPrompt(d.prompt, _image_of(d)) for d in demos], True, device)[1]
 
 
-def sft(cfg: SFTConfig, resume: bool = False) -> dict:
+def sft(cfg: SFTConfig, resume: bool = False, force: bool = False) -> dict:
     device = resolve_device(cfg.run.device)
     require_loggers(cfg.log)  # W&B / MLflow installed when turned on
     demos = load_demos(cfg.data.train, cfg.task, "data.train", cfg.data.on_bad_line == "skip", cfg.data.columns)
     skip_bad = cfg.data.on_bad_line == "skip"
     eval_items = load_prompts(cfg.data.eval, cfg.task, "data.eval", skip_bad, cfg.data.columns) if cfg.data.eval else []
     quality = Quality(cfg.eval, "lm", cfg.run.seed)  # a wrong metric setting stops before the run dir
-    run_dir, resume = prepare(cfg.run.dir, cfg.run.overwrite, resume)
-    setup_torch(cfg.run.threads, cfg.run.seed)
-    state = ckpt.load_latest(run_dir) if resume else None
-    model, tok = load_model_and_tokenizer(ckpt.resumed_model(cfg.model, state), cfg.task, cfg.run.seed)
-    check_trainable(model, cfg.model)  # model.freeze_vision
-    policy = LMPolicy(model, tok, device)
-    configure_prompts(policy, cfg)  # rollout.stop_tokens in its held-out evaluation
-    max_len = max_positions(model)
-    ids, mask, labels = (t.to(device) for t in encode_demos(demos, tok, max_len))
-    vision = demo_vision(demos, tok, device)
-    opt = make_optimizer(policy.model, cfg.optim)
-    data = EpochSampler(len(demos), cfg.run.seed)
-    start_step = ckpt.restore(state, run_dir, opt, data) if state else 0
-    dump_config(cfg, run_dir / "config.yaml")
-    mark_running(run_dir)  # run.json, for `regen status`
-    log = MetricsLogger(run_dir, cfg.log, config=cfg, resume=state is not None)
-    params = [p for p in policy.model.parameters() if p.requires_grad]
+    with OfflineRun.starting(cfg, "sft", resume, force) as run:
+        setup_torch(cfg.run.threads, cfg.run.seed)
+        model, tok = load_model_and_tokenizer(ckpt.resumed_model(cfg.model, run.state), cfg.task, cfg.run.seed)
+        check_trainable(model, cfg.model)  # model.freeze_vision
+        policy = LMPolicy(model, tok, device)
+        configure_prompts(policy, cfg)  # rollout.stop_tokens in its held-out evaluation
+        ids, mask, labels = (t.to(device) for t in encode_demos(demos, tok, max_positions(model)))
+        vision = demo_vision(demos, tok, device)
+
+        def reload(folder):
+            source = cfg.model if folder is None else cfg.model.model_copy(update={"path": str(folder), "init": None})
+            return load_model_and_tokenizer(source, cfg.task, cfg.run.seed)[0]
+
+        run.begin(Model(policy.model, policy.save_pretrained, reload), make_optimizer(policy.model, cfg.optim),
+                  EpochSampler(len(demos), cfg.run.seed))
     s = cfg.sft
 
     def evaluate(step: int) -> dict[str, float]:
         policy.model.eval()
-        out = run_eval(policy, eval_items, cfg, None, run_dir, step, quality)
+        out = run_eval(policy, eval_items, cfg, None, run.run_dir, step, quality)
+        policy.model.train()
         return out | gates.check(cfg.eval.gates, out)
 
-    def save(step: int):
-        return ckpt.save_offline(run_dir, step, policy, opt, data, cfg.checkpoint.keep_last)
+    def step_fn(step: int):
+        idx = torch.tensor(run.data.take(s.global_batch_size), device=device)
+        width = int(mask[idx].sum(1).max())  # trim the batch to its longest row
+        b_ids, b_mask, b_lab = ids[idx, :width], mask[idx, :width], labels[idx, :width]
+        logits = policy.model(input_ids=b_ids, attention_mask=b_mask, **select_vision(vision, idx)).logits
+        # position t predicts token t+1; mean over completion tokens of the batch
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), b_lab[:, 1:].flatten(), ignore_index=IGNORE)
+        return loss, {}, len(idx)
 
     policy.model.train()
-    with StepProgress(s.steps, start_step, cfg.log.progress, cfg.log.every, "sft", cfg.log.every_s) as bar, \
-            GracefulStop(bar.print) as stop:
-        t_start = time.perf_counter()
-        step = start_step
-        for step in range(start_step + 1, s.steps + 1):
-            t0 = time.perf_counter()
-            idx = torch.tensor(data.take(s.global_batch_size), device=device)
-            width = int(mask[idx].sum(1).max())  # trim the batch to its longest row
-            b_ids, b_mask, b_lab = ids[idx, :width], mask[idx, :width], labels[idx, :width]
-            logits = policy.model(input_ids=b_ids, attention_mask=b_mask, **select_vision(vision, idx)).logits
-            # position t predicts token t+1; mean over completion tokens of the batch
-            loss = F.cross_entropy(
-                logits[:, :-1].flatten(0, 1).float(), b_lab[:, 1:].flatten(), ignore_index=IGNORE
-            )
-            lr = lr_at(step, cfg.optim, s.steps)
-            gn = sft_step(opt, loss, params, lr, s.grad_clip)
-            dt = time.perf_counter() - t0
-            metrics = {"loss": loss.item(), "grad_norm": float(gn), "lr": lr, "time/step_s": dt,
-                       "throughput/samples_per_s": s.global_batch_size / dt}
-            if eval_items and cfg.eval.every and step % cfg.eval.every == 0 and step != s.steps:
-                metrics.update(evaluate(step))
-                policy.model.train()
-            log.log(step, metrics)
-            rate = s.global_batch_size * (step - start_step) / (time.perf_counter() - t_start)
-            bar.update(step, f"loss {metrics['loss']:.3f}  {rate:.0f} samples/s")
-            if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != s.steps:
-                save(step)
-            if stop.requested:  # SIGINT / SIGTERM: this step is done; checkpoint and exit
-                break
-        last = save(step)
-        policy.model.eval()
-        after = evaluate(step) if eval_items and step == s.steps else {}
-        if after:
-            log.log(step, after)
-    return close_offline(run_dir, log, step, s.steps, last, policy.save_pretrained, {"eval_after": after})
-
+    summary = run.train("sft", s.steps, s.grad_clip, step_fn, evaluate if eval_items else None, cfg.eval.every,
+                        show=lambda m: f"loss {m['loss']:.3f}")
+    policy.model.eval()
+    return summary

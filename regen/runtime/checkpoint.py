@@ -283,11 +283,3 @@ def restore(state: dict, run_dir: Path, opt, data, gen: torch.Generator | None =
                 print(f"note: {name}: dropped {torn} unreadable line(s) (a write cut off by a full disk or a kill)")
     return step
 
-
-def save_offline(run_dir: Path, step: int, policy, opt, data, keep_last: int) -> Path:
-    """Checkpoint of a loop without sampling (SFT, DPO): weights, optimizer, data position and
-    the torch RNG."""
-    from regen import __version__
-
-    return save_checkpoint(run_dir, step, policy.save_pretrained, opt, rng={"torch_cpu": torch.get_rng_state()},
-                           state={"data": data.state(), "regen_version": __version__}, keep_last=keep_last)

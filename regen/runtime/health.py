@@ -52,7 +52,7 @@ class HealthMonitor:
         exploded = kl is not None and (not math.isfinite(kl) or kl > self.cfg.kl_alert)
         if exploded:
             self.alerts.fire(step, "kl_explosion", f"KL to the reference {kl:.4g} exceeds {self.cfg.kl_alert}", kl=kl)
-        rollback |= self.cfg.rollback_on_alert and (collapsed or exploded)
+        rollback |= (collapsed or exploded) and self.cfg.rollback_on_alert  # offline runs have neither
         self.problem = self.nonfinite_streak > 0 or collapsed or exploded
         if time.monotonic() - self._last_checkpoint > self.cfg.stall_alert_s and not self._stall_warned:
             self._stall_warned = True

@@ -29,14 +29,3 @@ def make_optimizer(model, optim) -> torch.optim.AdamW:
 def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
     for g in opt.param_groups:
         g["lr"] = lr
-
-
-def sft_step(opt: torch.optim.Optimizer, loss: torch.Tensor, params: list, lr: float, grad_clip: float) -> float:
-    """One supervised step: set the learning rate, backward, clip the gradient norm to
-    grad_clip (0 = no clipping), step; returns the norm before clipping."""
-    set_lr(opt, lr)
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
-    opt.step()
-    return float(norm)

@@ -363,7 +363,7 @@ def save_run_checkpoint(run: Run, step: int, gathered, opt_state: dict | None) -
         folder = ckpt.save_checkpoint(
             run.run_dir, step, None, opt,
             rng={"sampler": run.gen.get_state(), "torch_cpu": torch.get_rng_state()},
-            state={"data": run.data.state(), "healthy": not run.health.problem,
+            state={"data": run.data.state(), "trainer": "rl", "healthy": not run.health.problem,
                    **({"task_weights": run.data.weights.state()} if run.tasks else {}),
                    "health": run.health.state(), "reward_versions": run.reward.versions(), "config": tree,
                    "versions": versions(model_source(run.cfg), run.reward.versions(), tree)},

@@ -91,7 +91,10 @@ def prepare_on_rank0(cfg: RLConfig, resume: bool, d: rdist.Dist) -> tuple[Path, 
 def resume_state(cfg: RLConfig, run_dir: Path, alerts: Alerts, force: bool) -> dict:
     """The newest valid checkpoint, refused when settings that change the computation differ
     from the ones it was trained with (unless force)."""
+    from regen.offline.books import check_trainer
+
     state = ckpt.load_latest(run_dir, warn=lambda m: alerts.fire(-1, "checkpoint_skipped", m))
+    check_trainer(state, "rl", run_dir)  # an SFT, DPO or reward-model run's directory
     saved = state["state"].get("config")
     diff = changed_settings(cfg, saved) if saved else []
     if diff and not force:

@@ -1,0 +1,281 @@
+"""The books of every trainer without sampling: `regen sft` (language and flow models), DPO
+(`regen train` with algorithm.name=dpo) and `regen rm`. One set, so that each guarantee an RL run
+gives is written once for the four of them:
+
+- the run directory locked, and refused when it holds another trainer's run (its checkpoints
+  would be resumed, pruned and its export replaced);
+- resume refused when a setting that changes the computation differs from the checkpoint's
+  (`--force` resumes anyway);
+- a non-finite loss or gradient skips the optimizer step with a `nonfinite` alert; after
+  health.rollback_after_nonfinite in a row, the weights and optimizer go back to the last healthy
+  checkpoint (or the starting model) with the learning rate scaled by health.rollback_lr_factor,
+  and past health.max_rollbacks the run stops (the same HealthMonitor as RL runs);
+- weights that are not finite are never checkpointed nor exported;
+- a checkpoint that cannot be written (disk full) is a `checkpoint_failed` alert and training
+  goes on; an export that cannot be written is one error line;
+- SIGINT / SIGTERM finish the step, checkpoint and stop; the same command resumes exactly.
+
+A trainer gives the forward pass of one step (`step_fn`) and how to save, reload and export its
+model; `OfflineRun.train` runs the steps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from regen.config import incompatible_changes, redact
+from regen.errors import RunStopped, UserError
+from regen.runtime import checkpoint as ckpt
+from regen.runtime.alerts import Alerts
+from regen.runtime.health import HealthMonitor
+from regen.runtime.metrics import MetricsLogger
+from regen.runtime.optim import lr_at, set_lr
+from regen.runtime.progress import StepProgress
+from regen.runtime.rundir import mark_closed, mark_running, prepare, undone_on_failure, write_folder
+from regen.runtime.signals import GracefulStop
+
+# what wrote a run directory's checkpoints (state.json "trainer"), as the user started it
+TRAINERS = {"rl": "`regen train` (RL)", "dpo": "`regen train` with algorithm.name=dpo", "sft": "`regen sft`",
+            "flow_sft": "`regen sft` of a flow model", "rm": "`regen rm`"}
+# settings an offline run may change on resume besides the RL ones (config/load.py RESUME_FREE): the length of
+# the run, held-out data, and the sampling settings of held-out evaluation
+OFFLINE_FREE = ("sft.steps", "rm.steps", "data.eval", "rollout.")
+
+
+def trainer_of(state: dict) -> str | None:
+    """Which trainer wrote a checkpoint (its state.json); checkpoints of an older regen name none: an RL run's is
+    known by its reward versions, an offline one is not known (not compared)."""
+    return state.get("trainer") or ("rl" if "reward_versions" in state else None)
+
+
+def check_trainer(state: dict, trainer: str, run_dir: Path) -> None:
+    """Refuse to resume another trainer's checkpoint: it would be trained on as if it were this one's, pruned by
+    retention, and its export replaced."""
+    other = trainer_of(state["state"])
+    if other is not None and other != trainer:
+        raise UserError(f"run.dir: '{run_dir}' holds a run of {TRAINERS.get(other, other)}; {TRAINERS[trainer]} "
+                        "would resume from its checkpoints and replace its export: choose another run.dir")
+
+
+def offline_changes(cfg, saved: dict) -> list[str]:
+    """Settings that change the computation and differ from a checkpoint's config (DPO: among the keys it reads)."""
+    now = redact(cfg.model_dump(mode="json"))
+    if hasattr(cfg, "read_tree"):  # DPO: an RLConfig, compared as RL runs are
+        from regen.config.methods import migrate
+
+        saved, now = cfg.read_tree(migrate(saved)), cfg.read_tree(now)
+    return [c for c in incompatible_changes(saved, now) if not c.startswith(OFFLINE_FREE)]
+
+
+@dataclass
+class Model:
+    """What the books need of a trainer's model: its trained parameters, how to write it into a folder (checkpoints
+    and export/), and how to reload its weights from a checkpoint's model/ folder (None: the starting model) as a
+    module whose state_dict is the trained module's (a rollback)."""
+
+    module: torch.nn.Module
+    save: Callable[[Path], None]
+    reload: Callable[[Path | None], torch.nn.Module]
+    export: Callable[[Path], None] | None = None  # default: save
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+
+@dataclass
+class OfflineRun:
+    cfg: object  # SFTConfig, RMConfig or (DPO) RLConfig
+    trainer: str  # a key of TRAINERS
+    run_dir: Path
+    state: dict | None  # the checkpoint resumed from
+    alerts: Alerts
+    health: HealthMonitor
+    model: Model | None = None
+    opt: torch.optim.Optimizer | None = None
+    data: object = None  # EpochSampler
+    log: MetricsLogger | None = None
+    start_step: int = 0
+    extra: dict = field(default_factory=dict)  # more for state.json
+
+    @classmethod
+    @contextmanager
+    def starting(cls, cfg, trainer: str, resume: bool = False, force: bool = False) -> Iterator[OfflineRun]:
+        """The run directory prepared and locked, the checkpoint to resume checked; inside the block the trainer
+        builds its model and calls `begin`. Anything failing before that leaves the directory as it was (a new one
+        is removed)."""
+        fresh = not Path(cfg.run.dir).exists()
+        run_dir, resume = prepare(cfg.run.dir, cfg.run.overwrite, resume)
+        with undone_on_failure(run_dir, fresh):
+            alerts = Alerts(run_dir, webhook_url=cfg.health.webhook_url)
+            state = None
+            if resume:
+                state = ckpt.load_latest(run_dir, warn=lambda m: alerts.fire(-1, "checkpoint_skipped", m))
+                check_trainer(state, trainer, run_dir)
+                saved = state["state"].get("config")
+                diff = offline_changes(cfg, saved) if saved else []
+                if diff and not force:
+                    raise UserError("cannot resume: the config differs from the checkpoint's in " + "; ".join(diff)
+                                    + " (pass --force to resume anyway, or use another run.dir)")
+                print(f"resuming from {state['folder']}")
+            yield cls(cfg, trainer, run_dir, state, alerts, HealthMonitor(cfg.health, alerts))
+
+    def begin(self, model: Model, opt: torch.optim.Optimizer, data) -> None:
+        """The model, its optimizer and the data order, restored from the checkpoint when resuming; config.yaml,
+        run.json and the metrics log opened."""
+        from regen.config import dump_config
+
+        self.model, self.opt, self.data = model, opt, data
+        if self.state is not None:
+            self.start_step = ckpt.restore(self.state, self.run_dir, opt, data)
+            if "health" in self.state["state"]:
+                self.health.load_state(self.state["state"]["health"])
+        dump_config(self.cfg, self.run_dir / "config.yaml")
+        mark_running(self.run_dir)  # run.json, for `regen status`
+        self.log = MetricsLogger(self.run_dir, self.cfg.log, config=self.cfg, resume=self.state is not None,
+                                 warn=lambda step, msg: self.alerts.fire(step, "logger_failed", msg))
+
+    # ------------------------------------------------------------------ the steps
+
+    def train(self, name: str, steps: int, grad_clip: float, step_fn, evaluate=None, eval_every: int = 0,
+              eval_before: bool = False, show=None, unit: str = "samples", said=None) -> dict:
+        """Steps start_step+1 .. steps. step_fn(step) -> (loss, metrics, items): the step's forward pass (the loss
+        to minimise, its metrics, how many samples or pairs it took). evaluate(step) -> eval/* metrics, before the
+        first step when eval_before, every eval_every steps and after the last. show(metrics): the progress text;
+        said(before, after): a line printed at the start (after=None) and at the end."""
+        cfg, show = self.cfg, show or (lambda m: f"loss {m['loss']:.4f}")
+        before = evaluate(0) if evaluate is not None and eval_before and self.start_step == 0 else {}
+        if before:
+            self.log.log(0, before)
+        try:
+            with StepProgress(steps, self.start_step, cfg.log.progress, cfg.log.every, name, cfg.log.every_s) as bar, \
+                    GracefulStop(bar.print) as stop:
+                if before and said is not None and said(before, None):
+                    bar.print(said(before, None))
+                t_start, step = time.perf_counter(), self.start_step
+                for step in range(self.start_step + 1, steps + 1):
+                    t0 = time.perf_counter()
+                    lr = lr_at(step, cfg.optim, steps) * self.health.lr_scale
+                    loss, metrics, items = step_fn(step)
+                    grad_norm, stepped = self.optimizer_step(loss, lr, grad_clip)
+                    dt = time.perf_counter() - t0
+                    metrics = {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()},
+                               "grad_norm": grad_norm, "lr": lr, "nonfinite_skipped": float(not stepped),
+                               "time/step_s": dt, f"throughput/{unit}_per_s": items / dt}
+                    if evaluate is not None and eval_every and step % eval_every == 0 and step != steps:
+                        metrics.update(evaluate(step))
+                    self.log.log(step, metrics)
+                    rate = items * (step - self.start_step) / (time.perf_counter() - t_start)
+                    bar.update(step, f"{show(metrics)}  {rate:.0f} {unit}/s")
+                    if self.health.observe(step, metrics):  # a non-finite streak: back to the last healthy state
+                        self.rollback(step)
+                    if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != steps:
+                        self.save(step)
+                    if stop.requested:  # SIGINT / SIGTERM: this step is done; checkpoint and exit
+                        break
+                last = self.save(step)
+                if last is None:
+                    raise RunStopped(f"the final checkpoint could not be written to {self.run_dir} (see alerts.jsonl)")
+                after = evaluate(step) if evaluate is not None and step == steps else {}
+                if after:
+                    self.log.log(step, after)
+                    if said is not None and said(before, after):
+                        bar.print(said(before, after))
+        except RunStopped:
+            self.log.close()
+            mark_closed(self.run_dir, "stopped")
+            raise
+        return self.close(step, steps, last, {"eval_before": before, "eval_after": after} if eval_before
+                          else {"eval_after": after})
+
+    def optimizer_step(self, loss: torch.Tensor, lr: float, grad_clip: float) -> tuple[float, bool]:
+        """Backward, clip to grad_clip (0 = no clipping) and step; a loss or gradient that is not finite skips the
+        step (the weights stay as they were). Returns the gradient norm before clipping and whether it stepped."""
+        set_lr(self.opt, lr)
+        self.opt.zero_grad(set_to_none=True)
+        if not torch.isfinite(loss):
+            return float("nan"), False
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(self.model.params, grad_clip if grad_clip > 0 else float("inf"))
+        if not torch.isfinite(norm):
+            self.opt.zero_grad(set_to_none=True)
+            return float(norm), False
+        self.opt.step()
+        return float(norm), True
+
+    def rollback(self, step: int) -> None:
+        """Weights and optimizer back to the last healthy checkpoint (or the starting model, with a fresh
+        optimizer), the learning rate scaled down; past health.max_rollbacks the run stops. The data order goes on,
+        so the batches that went wrong are not replayed."""
+        if self.health.rollbacks >= self.cfg.health.max_rollbacks:
+            raise RunStopped(f"stopped at step {step}: the loss or gradient is still not finite after "
+                             f"{self.health.rollbacks} rollbacks (see {self.run_dir / 'alerts.jsonl'}); nothing was "
+                             "exported: lower optim.lr or check the data, then rerun with --force to resume from the "
+                             "last checkpoint")
+        folder = ckpt.latest_healthy(self.run_dir)
+        with torch.no_grad():
+            self.model.module.load_state_dict(self.model.reload(None if folder is None else folder / "model")
+                                              .state_dict())
+        if folder is None:
+            self.opt.state.clear()
+        else:
+            self.opt.load_state_dict(ckpt.load_checkpoint(folder)["optimizer"])
+        self.health.rolled_back()
+        self.alerts.fire(step, "rollback", f"rolled back to {folder.name if folder else 'the starting model'}; "
+                         f"learning rate x{self.health.lr_scale:g}", lr_scale=self.health.lr_scale)
+
+    # ------------------------------------------------------------------ checkpoints and the end
+
+    def finite(self) -> bool:
+        return all(bool(torch.isfinite(p).all()) for p in self.model.module.parameters())
+
+    def save(self, step: int) -> Path | None:
+        """A checkpoint: weights, optimizer, data position, torch RNG, health, trainer and config. Not written when
+        the weights are not finite (an alert); a failed write (disk full) is an alert, earlier checkpoints stay."""
+        from regen import __version__
+
+        if not self.finite():
+            self.alerts.fire(step, "nonfinite_weights", f"weights not finite at step {step}: no checkpoint written")
+            return None
+        try:
+            folder = ckpt.save_checkpoint(
+                self.run_dir, step, self.model.save, self.opt, rng={"torch_cpu": torch.get_rng_state()},
+                state={"data": self.data.state(), "trainer": self.trainer, "healthy": not self.health.problem,
+                       "health": self.health.state(), "config": redact(self.cfg.model_dump(mode="json")),
+                       "regen_version": __version__, **self.extra},
+                keep_last=self.cfg.checkpoint.keep_last)
+        except ckpt.WRITE_ERRORS as e:
+            why = getattr(e, "strerror", None) or str(e)
+            self.alerts.fire(step, "checkpoint_failed", f"checkpoint at step {step} not written: {why}")
+            return None
+        self.health.checkpointed()
+        return folder
+
+    def close(self, step: int, steps: int, last: Path, summary: dict) -> dict:
+        """Stopped early by a signal (the checkpoint at `step` resumes), or finished: export/ written (into a
+        temporary folder renamed when complete) unless the weights are not finite, then run.json closed."""
+        self.log.close()
+        self.alerts.flush()
+        if step < steps:
+            mark_closed(self.run_dir, "stopped")
+            print(f"stopped at step {step}: checkpoint {last}; run the same command to resume")
+            return {**summary, "checkpoint": str(last), "stopped_early": True}
+        if not self.finite():
+            self.alerts.fire(step, "nonfinite_weights", "weights not finite at the end: nothing exported")
+            mark_closed(self.run_dir, "stopped")
+            raise RunStopped(f"stopped at step {step}: the weights are not finite; nothing was exported (see "
+                             f"{self.run_dir / 'alerts.jsonl'})")
+        try:
+            write_folder(self.run_dir / "export", self.model.export or self.model.save)
+        except OSError as e:
+            mark_closed(self.run_dir, "stopped")
+            raise UserError(f"export: cannot write {self.run_dir / 'export'}: {e.strerror or e}; the final "
+                            f"checkpoint is {last}: free space and run `regen export` on it") from None
+        mark_closed(self.run_dir, "finished")
+        return {**summary, "checkpoint": str(last), "export": str(self.run_dir / "export")}
