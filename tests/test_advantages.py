@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from regen.algorithms.advantages import grpo_advantages
+from regen.algorithms.advantages import grpo_advantages, reinforce_pp_advantages, rloo_advantages
 
 EPS = 1e-6
 NAN = float("nan")
@@ -112,3 +112,29 @@ def test_zero_std_frac_counts_an_all_equal_float64_group():
 def test_rewards_that_do_not_split_into_groups_raise(rewards, group_size):
     with pytest.raises(ValueError):
         grpo_advantages(rewards, group_size)
+
+
+def test_an_estimator_refuses_a_keyword_it_does_not_take():
+    """A misspelled or foreign setting is a TypeError, never silently the default (they took **_ before)."""
+    from regen.algorithms.flow import flow_dppo_loss, flow_group_advantages, flow_grpo_loss
+
+    r = torch.tensor([1.0, 0.0, 2.0, 0.0])
+    for fn, kw in [(grpo_advantages, {"global_std": True}), (rloo_advantages, {"std_normalize": "batch"}),
+                   (reinforce_pp_advantages, {"std_normalize": "none"}), (flow_group_advantages, {"global_std": True})]:
+        with pytest.raises(TypeError, match="unexpected keyword"):
+            fn(r, 2, **kw)
+    x, m = torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        flow_grpo_loss(x, x, torch.ones(2), m, clip_lo=0.1)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        flow_dppo_loss(x, x, torch.ones(2), m, x, taus=1e-3)
+
+
+def test_each_estimator_gets_exactly_the_settings_it_registered():
+    from types import SimpleNamespace
+
+    from regen.algorithms import ADVANTAGES, advantage_kwargs
+
+    a = SimpleNamespace(std_normalize="batch", reinforce_baseline=True)
+    assert {name: advantage_kwargs(fn, a) for name, fn in ADVANTAGES.items()} == {
+        "grpo": {"std_normalize": "batch"}, "rloo": {}, "reinforce_pp": {"baseline": True}}

@@ -6,6 +6,7 @@ derived by hand from its paper. Registries map config names to functions.
 
 from regen.algorithms.advantages import (
     ADVANTAGES,
+    advantage_kwargs,
     grpo_advantages,
     overlong_penalty,
     reinforce_pp_advantages,
@@ -17,6 +18,7 @@ from regen.algorithms.losses import POLICY_LOSSES, aggregate, dpo_loss, grpo_los
 __all__ = [
     "ADVANTAGES",
     "POLICY_LOSSES",
+    "advantage_kwargs",
     "aggregate",
     "dpo_loss",
     "grpo_advantages",

@@ -1,12 +1,37 @@
-"""Advantage estimators over a flat batch laid out as consecutive groups of `group_size`."""
+"""Advantage estimators over a flat batch laid out as consecutive groups of `group_size`.
+
+Each estimator of `algorithm.advantage` registers itself with the algorithm.* settings it takes
+(`advantage(name, parameter=setting)`): the loop passes exactly those, by name, and a keyword an
+estimator does not take is a TypeError rather than a setting silently ignored."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+ADVANTAGES: dict[str, Callable] = {}  # algorithm.advantage -> estimator (with .settings: parameter -> algorithm key)
 
+
+def advantage(name: str, **settings: str):
+    """Register an estimator as algorithm.advantage=name; settings: its parameter -> the algorithm.* key it reads."""
+
+    def register(fn: Callable) -> Callable:
+        fn.settings = settings
+        ADVANTAGES[name] = fn
+        return fn
+
+    return register
+
+
+def advantage_kwargs(fn: Callable, algorithm) -> dict:
+    """The keyword arguments estimator `fn` takes from the algorithm config section."""
+    return {param: getattr(algorithm, key) for param, key in fn.settings.items()}
+
+
+@advantage("grpo", std_normalize="std_normalize")
 def grpo_advantages(
-    rewards: torch.Tensor, group_size: int, std_normalize: bool | str = True, eps: float = 1e-6, **_: object
+    rewards: torch.Tensor, group_size: int, std_normalize: bool | str = True, eps: float = 1e-6
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Group-relative advantage (GRPO, Shao et al. 2024, §4.1.2).
 
@@ -63,11 +88,9 @@ def grpo_advantages(
     return adv.view(-1).to(rewards.dtype), valid.view(-1), {k: v.float() for k, v in metrics.items()}
 
 
-ADVANTAGES = {"grpo": grpo_advantages}
-
-
+@advantage("rloo")
 def rloo_advantages(
-    rewards: torch.Tensor, group_size: int, **_: object
+    rewards: torch.Tensor, group_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """REINFORCE leave-one-out (RLOO, Ahmadian et al. 2024, eq. 4 / Kool et al. 2019):
 
@@ -83,8 +106,9 @@ def rloo_advantages(
     return adv, valid, metrics
 
 
+@advantage("reinforce_pp", baseline="reinforce_baseline")
 def reinforce_pp_advantages(
-    rewards: torch.Tensor, group_size: int, baseline: bool = False, eps: float = 1e-6, **_: object
+    rewards: torch.Tensor, group_size: int, baseline: bool = False, eps: float = 1e-6
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """REINFORCE++ with outcome rewards (Hu 2025): advantages whitened over the whole batch,
 
@@ -128,6 +152,3 @@ def overlong_penalty(lengths: torch.Tensor, max_len: int, cache_len: int, factor
     out = torch.where(lengths <= max_len - cache_len, torch.zeros_like(lengths), soft)
     return torch.where(lengths > max_len, torch.full_like(lengths, -factor), out)
 
-
-ADVANTAGES["rloo"] = rloo_advantages
-ADVANTAGES["reinforce_pp"] = reinforce_pp_advantages

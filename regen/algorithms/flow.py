@@ -60,7 +60,7 @@ def _sample_mean(per_sample: torch.Tensor, valid: torch.Tensor, denoms: dict[str
 
 def flow_group_advantages(
     rewards: torch.Tensor, group_size: int, std_normalize: str = "group", clip: float | None = 5.0,
-    eps: float = 1e-6, **_: object,
+    eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor, Metrics]:
     """Flow-GRPO's advantage (Liu et al. 2025, GRPO's group advantage, with the public code's options):
 
@@ -114,7 +114,7 @@ def gaussian_mean_kl(
 def flow_grpo_loss(
     logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, clip_range: float = 1e-4,
     kl: torch.Tensor | None = None, kl_coef: float = 0.0, denoms: dict[str, float] | None = None,
-    clip_high: float | None = None, **_: object,
+    clip_high: float | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
     """Flow-GRPO (Liu et al. 2025, "Training Flow Matching Models via Online RL"): the PPO clipped
     objective over SDE denoising steps,
@@ -148,7 +148,7 @@ def flow_grpo_loss(
 
 def flow_dppo_loss(
     logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, kl_old: torch.Tensor,
-    tau: float = 1e-5, denoms: dict[str, float] | None = None, **_: object,
+    tau: float = 1e-5, denoms: dict[str, float] | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
     """Flow-DPPO (UniRL, "FlowDPPO: Divergence Proximal Policy Optimization for Flow Matching
     Models", 2026, eqs. 14 and 18): no ratio clip; a per-step trust region on the exact KL.

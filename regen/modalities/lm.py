@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from regen.algorithms import ADVANTAGES, POLICY_LOSSES, overlong_penalty
+from regen.algorithms import ADVANTAGES, POLICY_LOSSES, advantage_kwargs, overlong_penalty
 from regen.algorithms.gae import explained_variance, token_advantages
 from regen.algorithms.losses import batch_denominators
 from regen.errors import UserError
@@ -231,8 +231,8 @@ class LMModality(Modality):
                 ref_logp=fixed["ref_logp"], kl_coef=a.kl_coef if a.kl_placement == "reward" else 0.0, gamma=a.gamma,
                 lam=a.lam, whiten=a.whiten_advantages, baseline=a.reinforce_baseline)
         else:
-            adv, valid, m = ADVANTAGES[a.advantage](rewards, n, std_normalize=a.std_normalize,
-                                                    baseline=a.reinforce_baseline)
+            fn = ADVANTAGES[a.advantage]
+            adv, valid, m = fn(rewards, n, **advantage_kwargs(fn, a))
         dev = self.device
         mask = batch.response_mask * valid.to(batch.response_mask.dtype).unsqueeze(1).to(dev)
         return Advantages(adv.to(dev), valid.to(dev), mask, m, returns, values)

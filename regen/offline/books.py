@@ -213,12 +213,13 @@ class OfflineRun:
         """Weights and optimizer back to the last healthy checkpoint (or the starting model, with a fresh
         optimizer), the learning rate scaled down; past health.max_rollbacks the run stops. The data order goes on,
         so the batches that went wrong are not replayed."""
+        folder = ckpt.latest_healthy(self.run_dir)
         if self.health.rollbacks >= self.cfg.health.max_rollbacks:
+            then = (f"rerun with --force to resume from {folder.name}" if folder is not None
+                    else "rerun (no checkpoint was written before: the run starts again)")
             raise RunStopped(f"stopped at step {step}: the loss or gradient is still not finite after "
                              f"{self.health.rollbacks} rollbacks (see {self.run_dir / 'alerts.jsonl'}); nothing was "
-                             "exported: lower optim.lr or check the data, then rerun with --force to resume from the "
-                             "last checkpoint")
-        folder = ckpt.latest_healthy(self.run_dir)
+                             f"exported: lower optim.lr or check the data, then {then}")
         with torch.no_grad():
             self.model.module.load_state_dict(self.model.reload(None if folder is None else folder / "model")
                                               .state_dict())
