@@ -7,6 +7,7 @@ anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -214,10 +215,7 @@ def cmd_sft(args) -> int:
         return 0
     from regen.offline.flow_sft import is_flow_model, sft_flow
     from regen.offline.sft import sft
-    from regen.runtime.dist import launched_by_torchrun
 
-    if launched_by_torchrun():
-        raise UserError("regen sft runs in one process; start it with python / regen, not torchrun")
     summary = (sft_flow if is_flow_model(cfg.model) else sft)(cfg, resume=args.resume, force=args.force)
     if not summary.get("stopped_early"):
         _print_summary(summary)
@@ -239,6 +237,8 @@ def cmd_rm(args) -> int:
 
 
 def _print_summary(summary: dict) -> None:
+    if os.environ.get("RANK", "0") != "0":  # torchrun: rank 0 speaks for the run
+        return
     before, after = summary.get("eval_before") or {}, summary.get("eval_after") or {}
     for key in ("eval/accuracy", "eval/greedy_accuracy", "eval/reward", "eval/preference_accuracy",
                 "eval/pair_accuracy"):

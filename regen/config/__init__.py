@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from regen.config.base import Section
-from regen.config.dist import DistributedConfig
+from regen.config.dist import DistributedConfig, OfflineDistributedConfig
 from regen.config.eval import EvalConfig
 from regen.config.methods import CLIP_DEFAULTS, METHODS, CriticConfig, FlowConfig, OverlongConfig
 from regen.config.model import LoraSettings, ModelConfig  # noqa: F401  (re-exported)
@@ -369,6 +369,7 @@ class SFTConfig(Section):
     )
     checkpoint: CheckpointConfig = Field(default_factory=lambda: CheckpointConfig(every=0))
     health: OfflineHealthConfig = Field(default_factory=OfflineHealthConfig)
+    distributed: OfflineDistributedConfig = Field(default_factory=OfflineDistributedConfig)
     log: LogConfig = Field(default_factory=lambda: LogConfig(every=200))
 
     def unread(self, given) -> list[str]:

@@ -95,3 +95,19 @@ class DistributedConfig(Section):
         512.0, gt=0, description="ray: most MB of weights in one object-store object; an actor loads one bucket at "
         "a time, so it holds at most this much beside its model while it takes new weights."
     )
+
+
+class OfflineDistributedConfig(Section):
+    """distributed of `regen sft` (language models) and `regen rm`: one process, or data parallel under torchrun."""
+
+    mode: Literal["auto", "single", "torchrun"] = Field(
+        "auto", description="'single': one process. 'torchrun': data parallel over the processes torchrun started: "
+        "each holds the whole model, takes its share of every batch, and the gradients are summed over the "
+        "processes, so N processes train what one trains. 'auto': torchrun when started by torchrun, else single."
+    )
+    backend: Literal["auto", "nccl", "gloo"] = Field(
+        "auto", description="torchrun: process-group backend; 'auto' = nccl on CUDA, gloo on CPU."
+    )
+    timeout_s: float = Field(
+        1800.0, ge=1.0, description="torchrun: seconds a collective waits for every rank before the run fails."
+    )

@@ -18,6 +18,7 @@ from regen.config import (
     TaskConfig,
 )
 from regen.config.base import Section
+from regen.config.dist import OfflineDistributedConfig
 
 
 class RMStepsConfig(Section):
@@ -58,6 +59,7 @@ class RMConfig(Section):
     eval: RMEvalConfig = Field(default_factory=RMEvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=lambda: CheckpointConfig(every=0))
     health: OfflineHealthConfig = Field(default_factory=OfflineHealthConfig)
+    distributed: OfflineDistributedConfig = Field(default_factory=OfflineDistributedConfig)
     log: LogConfig = Field(default_factory=lambda: LogConfig(every=20))
 
     @model_validator(mode="after")

@@ -32,35 +32,18 @@ import torch
 from regen.config import incompatible_changes, redact
 from regen.errors import RunStopped, UserError
 from regen.runtime import checkpoint as ckpt
+from regen.runtime import dist as rdist
 from regen.runtime.alerts import Alerts
 from regen.runtime.health import HealthMonitor
-from regen.runtime.metrics import MetricsLogger
+from regen.runtime.metrics import MetricsLogger, SilentLog
 from regen.runtime.optim import lr_at, set_lr
 from regen.runtime.progress import StepProgress
-from regen.runtime.rundir import mark_closed, mark_running, prepare, undone_on_failure, write_folder
+from regen.runtime.rundir import mark_closed, mark_running, prepare_on_rank0, undone_on_failure, write_folder
 from regen.runtime.signals import GracefulStop
 
-# what wrote a run directory's checkpoints (state.json "trainer"), as the user started it
-TRAINERS = {"rl": "`regen train` (RL)", "dpo": "`regen train` with algorithm.name=dpo", "sft": "`regen sft`",
-            "flow_sft": "`regen sft` of a flow model", "rm": "`regen rm`"}
 # settings an offline run may change on resume besides the RL ones (config/load.py RESUME_FREE): the length of
 # the run, held-out data, and the sampling settings of held-out evaluation
 OFFLINE_FREE = ("sft.steps", "rm.steps", "data.eval", "rollout.")
-
-
-def trainer_of(state: dict) -> str | None:
-    """Which trainer wrote a checkpoint (its state.json); checkpoints of an older regen name none: an RL run's is
-    known by its reward versions, an offline one is not known (not compared)."""
-    return state.get("trainer") or ("rl" if "reward_versions" in state else None)
-
-
-def check_trainer(state: dict, trainer: str, run_dir: Path) -> None:
-    """Refuse to resume another trainer's checkpoint: it would be trained on as if it were this one's, pruned by
-    retention, and its export replaced."""
-    other = trainer_of(state["state"])
-    if other is not None and other != trainer:
-        raise UserError(f"run.dir: '{run_dir}' holds a run of {TRAINERS.get(other, other)}; {TRAINERS[trainer]} "
-                        "would resume from its checkpoints and replace its export: choose another run.dir")
 
 
 def offline_changes(cfg, saved: dict) -> list[str]:
@@ -100,35 +83,48 @@ class OfflineRun:
     model: Model | None = None
     opt: torch.optim.Optimizer | None = None
     data: object = None  # EpochSampler
-    log: MetricsLogger | None = None
+    log: MetricsLogger | SilentLog | None = None
     start_step: int = 0
+    dist: rdist.Dist = field(default_factory=rdist.Dist)  # torchrun: this rank (single: rank 0 of 1)
     extra: dict = field(default_factory=dict)  # more for state.json
 
     @classmethod
     @contextmanager
-    def starting(cls, cfg, trainer: str, resume: bool = False, force: bool = False) -> Iterator[OfflineRun]:
-        """The run directory prepared and locked, the checkpoint to resume checked; inside the block the trainer
-        builds its model and calls `begin`. Anything failing before that leaves the directory as it was (a new one
-        is removed)."""
+    def starting(cls, cfg, trainer: str, device, batch: tuple[int, str], resume: bool = False,
+                 force: bool = False) -> Iterator[OfflineRun]:
+        """The process group joined (torchrun), the run directory prepared and locked by rank 0, the checkpoint to
+        resume checked; inside the block the trainer builds its model and calls `begin`. Anything failing before
+        that leaves the directory as it was (a new one is removed). batch: (examples per step, its key), which
+        the ranks split evenly."""
+        d = cfg.distributed
+        dist = rdist.start(d.mode, "ddp", d.backend, device, d.timeout_s)
+        if batch[0] % dist.world:
+            rdist.stop()
+            raise UserError(f"{batch[1]}={batch[0]} cannot be split evenly over {dist.world} processes")
         fresh = not Path(cfg.run.dir).exists()
-        run_dir, resume = prepare(cfg.run.dir, cfg.run.overwrite, resume)
-        with undone_on_failure(run_dir, fresh):
-            alerts = Alerts(run_dir, webhook_url=cfg.health.webhook_url)
-            state = None
-            if resume:
-                state = ckpt.load_latest(run_dir, warn=lambda m: alerts.fire(-1, "checkpoint_skipped", m))
-                check_trainer(state, trainer, run_dir)
-                saved = state["state"].get("config")
-                diff = offline_changes(cfg, saved) if saved else []
-                if diff and not force:
-                    raise UserError("cannot resume: the config differs from the checkpoint's in " + "; ".join(diff)
-                                    + " (pass --force to resume anyway, or use another run.dir)")
-                print(f"resuming from {state['folder']}")
-            yield cls(cfg, trainer, run_dir, state, alerts, HealthMonitor(cfg.health, alerts))
+        run_dir, resume = prepare_on_rank0(cfg, resume, dist)
+        try:
+            with undone_on_failure(run_dir, fresh, dist.main):
+                alerts = Alerts(run_dir, webhook_url=cfg.health.webhook_url)
+                state = None
+                if resume:
+                    state = ckpt.load_latest(run_dir, warn=lambda m: alerts.fire(-1, "checkpoint_skipped", m))
+                    ckpt.check_trainer(state, trainer, run_dir)
+                    saved = state["state"].get("config")
+                    diff = offline_changes(cfg, saved) if saved else []
+                    if diff and not force:
+                        raise UserError("cannot resume: the config differs from the checkpoint's in "
+                                        + "; ".join(diff) + " (pass --force to resume anyway, or use another run.dir)")
+                    if dist.main:
+                        print(f"resuming from {state['folder']}")
+                yield cls(cfg, trainer, run_dir, state, alerts, HealthMonitor(cfg.health, alerts), dist=dist)
+        except BaseException:
+            rdist.stop()
+            raise
 
     def begin(self, model: Model, opt: torch.optim.Optimizer, data) -> None:
         """The model, its optimizer and the data order, restored from the checkpoint when resuming; config.yaml,
-        run.json and the metrics log opened."""
+        run.json and the metrics log opened (rank 0)."""
         from regen.config import dump_config
 
         self.model, self.opt, self.data = model, opt, data
@@ -136,10 +132,20 @@ class OfflineRun:
             self.start_step = ckpt.restore(self.state, self.run_dir, opt, data)
             if "health" in self.state["state"]:
                 self.health.load_state(self.state["state"]["health"])
+        if not self.dist.main:
+            self.log = SilentLog()  # one metrics file and one progress bar: rank 0's
+            return
         dump_config(self.cfg, self.run_dir / "config.yaml")
         mark_running(self.run_dir)  # run.json, for `regen status`
         self.log = MetricsLogger(self.run_dir, self.cfg.log, config=self.cfg, resume=self.state is not None,
                                  warn=lambda step, msg: self.alerts.fire(step, "logger_failed", msg))
+
+    def mine(self, idx):
+        """This rank's share of a batch's examples `idx` (all of them in one process) and its fraction of the
+        batch: a trainer whose loss is a mean over examples multiplies its share's mean by that fraction, so the
+        ranks' losses (and their gradients, summed) add up to the whole batch's."""
+        part = self.dist.my_rows(idx)
+        return part, len(part) / len(idx)
 
     # ------------------------------------------------------------------ the steps
 
@@ -154,7 +160,8 @@ class OfflineRun:
         if before:
             self.log.log(0, before)
         try:
-            with StepProgress(steps, self.start_step, cfg.log.progress, cfg.log.every, name, cfg.log.every_s) as bar, \
+            progress = cfg.log.progress if self.dist.main else "none"
+            with StepProgress(steps, self.start_step, progress, cfg.log.every, name, cfg.log.every_s) as bar, \
                     GracefulStop(bar.print) as stop:
                 if before and said is not None and said(before, None):
                     bar.print(said(before, None))
@@ -165,8 +172,10 @@ class OfflineRun:
                     loss, metrics, items = step_fn(step)
                     grad_norm, stepped = self.optimizer_step(loss, lr, grad_clip)
                     dt = time.perf_counter() - t0
-                    metrics = {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()},
-                               "grad_norm": grad_norm, "lr": lr, "nonfinite_skipped": float(not stepped),
+                    # each rank's share of the loss and metrics: summed, the whole batch's
+                    metrics = self.dist.sum_floats({"loss": float(loss.detach()),
+                                                    **{k: float(v) for k, v in metrics.items()}})
+                    metrics = {**metrics, "grad_norm": grad_norm, "lr": lr, "nonfinite_skipped": float(not stepped),
                                "time/step_s": dt, f"throughput/{unit}_per_s": items / dt}
                     if evaluate is not None and eval_every and step % eval_every == 0 and step != steps:
                         metrics.update(evaluate(step))
@@ -177,7 +186,7 @@ class OfflineRun:
                         self.rollback(step)
                     if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != steps:
                         self.save(step)
-                    if stop.requested:  # SIGINT / SIGTERM: this step is done; checkpoint and exit
+                    if self.dist.any_true(stop.requested):  # SIGINT / SIGTERM: step done; checkpoint and exit
                         break
                 last = self.save(step)
                 if last is None:
@@ -189,21 +198,25 @@ class OfflineRun:
                         bar.print(said(before, after))
         except RunStopped:
             self.log.close()
-            mark_closed(self.run_dir, "stopped")
+            if self.dist.main:
+                mark_closed(self.run_dir, "stopped")
+            rdist.stop()
             raise
         return self.close(step, steps, last, {"eval_before": before, "eval_after": after} if eval_before
                           else {"eval_after": after})
 
     def optimizer_step(self, loss: torch.Tensor, lr: float, grad_clip: float) -> tuple[float, bool]:
-        """Backward, clip to grad_clip (0 = no clipping) and step; a loss or gradient that is not finite skips the
-        step (the weights stay as they were). Returns the gradient norm before clipping and whether it stepped."""
+        """Backward, the gradients summed over ranks (torchrun), clipped to grad_clip (0 = no clipping), and a step;
+        a loss or gradient that is not finite (on any rank) skips the step: the weights stay as they were. Returns
+        the gradient norm before clipping and whether it stepped."""
         set_lr(self.opt, lr)
         self.opt.zero_grad(set_to_none=True)
-        if not torch.isfinite(loss):
+        if not self.dist.all_true(bool(torch.isfinite(loss))):
             return float("nan"), False
         loss.backward()
+        self.dist.sum_grads(self.model.params)
         norm = torch.nn.utils.clip_grad_norm_(self.model.params, grad_clip if grad_clip > 0 else float("inf"))
-        if not torch.isfinite(norm):
+        if not torch.isfinite(norm):  # the same summed gradients, so the same verdict, on every rank
             self.opt.zero_grad(set_to_none=True)
             return float(norm), False
         self.opt.step()
@@ -213,7 +226,7 @@ class OfflineRun:
         """Weights and optimizer back to the last healthy checkpoint (or the starting model, with a fresh
         optimizer), the learning rate scaled down; past health.max_rollbacks the run stops. The data order goes on,
         so the batches that went wrong are not replayed."""
-        folder = ckpt.latest_healthy(self.run_dir)
+        folder = self.dist.broadcast_object(ckpt.latest_healthy(self.run_dir) if self.dist.main else None)
         if self.health.rollbacks >= self.cfg.health.max_rollbacks:
             then = (f"rerun with --force to resume from {folder.name}" if folder is not None
                     else "rerun (no checkpoint was written before: the run starts again)")
@@ -237,15 +250,22 @@ class OfflineRun:
         return all(bool(torch.isfinite(p).all()) for p in self.model.module.parameters())
 
     def save(self, step: int) -> Path | None:
-        """A checkpoint: weights, optimizer, data position, torch RNG, health, trainer and config. Not written when
-        the weights are not finite (an alert); a failed write (disk full) is an alert, earlier checkpoints stay."""
-        from regen import __version__
-
-        if not self.finite():
+        """A checkpoint (rank 0 writes; the others wait for it): weights, optimizer, data position, torch RNG,
+        health, trainer and config. Not written when the weights are not finite (an alert); a failed write (disk
+        full) is an alert, earlier checkpoints stay."""
+        if not self.finite():  # every rank holds the same weights: the same verdict
             self.alerts.fire(step, "nonfinite_weights", f"weights not finite at step {step}: no checkpoint written")
             return None
+        folder = self.dist.broadcast_object(self._write(step) if self.dist.main else None)
+        if folder is not None:
+            self.health.checkpointed()
+        return folder
+
+    def _write(self, step: int) -> Path | None:
+        from regen import __version__
+
         try:
-            folder = ckpt.save_checkpoint(
+            return ckpt.save_checkpoint(
                 self.run_dir, step, self.model.save, self.opt, rng={"torch_cpu": torch.get_rng_state()},
                 state={"data": self.data.state(), "trainer": self.trainer, "healthy": not self.health.problem,
                        "health": self.health.state(), "config": redact(self.cfg.model_dump(mode="json")),
@@ -255,28 +275,40 @@ class OfflineRun:
             why = getattr(e, "strerror", None) or str(e)
             self.alerts.fire(step, "checkpoint_failed", f"checkpoint at step {step} not written: {why}")
             return None
-        self.health.checkpointed()
-        return folder
 
     def close(self, step: int, steps: int, last: Path, summary: dict) -> dict:
-        """Stopped early by a signal (the checkpoint at `step` resumes), or finished: export/ written (into a
-        temporary folder renamed when complete) unless the weights are not finite, then run.json closed."""
+        """Stopped early by a signal (the checkpoint at `step` resumes), or finished: export/ written by rank 0
+        (into a temporary folder renamed when complete) unless the weights are not finite, then run.json closed and
+        the process group left."""
+        d = self.dist
         self.log.close()
         self.alerts.flush()
-        if step < steps:
-            mark_closed(self.run_dir, "stopped")
-            print(f"stopped at step {step}: checkpoint {last}; run the same command to resume")
-            return {**summary, "checkpoint": str(last), "stopped_early": True}
-        if not self.finite():
-            self.alerts.fire(step, "nonfinite_weights", "weights not finite at the end: nothing exported")
-            mark_closed(self.run_dir, "stopped")
-            raise RunStopped(f"stopped at step {step}: the weights are not finite; nothing was exported (see "
-                             f"{self.run_dir / 'alerts.jsonl'})")
+        try:
+            if step < steps:
+                if d.main:
+                    mark_closed(self.run_dir, "stopped")
+                    print(f"stopped at step {step}: checkpoint {last}; run the same command to resume")
+                return {**summary, "checkpoint": str(last), "stopped_early": True}
+            if not self.finite():
+                self.alerts.fire(step, "nonfinite_weights", "weights not finite at the end: nothing exported")
+                if d.main:
+                    mark_closed(self.run_dir, "stopped")
+                raise RunStopped(f"stopped at step {step}: the weights are not finite; nothing was exported (see "
+                                 f"{self.run_dir / 'alerts.jsonl'})")
+            error = d.broadcast_object(self._export() if d.main else None)
+            if error is not None:
+                raise UserError(error)
+            return {**summary, "checkpoint": str(last), "export": str(self.run_dir / "export")}
+        finally:
+            rdist.stop()
+
+    def _export(self) -> str | None:
+        """export/ and run.json's end (rank 0); the error line when export/ cannot be written."""
         try:
             write_folder(self.run_dir / "export", self.model.export or self.model.save)
         except OSError as e:
             mark_closed(self.run_dir, "stopped")
-            raise UserError(f"export: cannot write {self.run_dir / 'export'}: {e.strerror or e}; the final "
-                            f"checkpoint is {last}: free space and run `regen export` on it") from None
+            return (f"export: cannot write {self.run_dir / 'export'}: {e.strerror or e}; the final checkpoint is in "
+                    f"{self.run_dir / 'checkpoints'}: free space and run `regen export` on it")
         mark_closed(self.run_dir, "finished")
-        return {**summary, "checkpoint": str(last), "export": str(self.run_dir / "export")}
+        return None

@@ -69,7 +69,8 @@ def train_dpo(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
         raise UserError("algorithm.name=dpo with a vision-language model: preference pairs with images are not "
                         "supported yet; train it with grpo / gspo on prompts with images")
     check_trainable(start, cfg.model)  # model.freeze_vision: refused on a text model
-    with OfflineRun.starting(cfg, "dpo", resume, force) as run:
+    with OfflineRun.starting(cfg, "dpo", device, (t.global_minibatch_size, "train.global_minibatch_size"), resume,
+                             force) as run:
         state = run.state
         start = start.to(device).eval()
         max_len = max_positions(start)
@@ -102,9 +103,11 @@ def train_dpo(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
 
     def step_fn(step: int):
         idx = torch.tensor(run.data.take(t.global_minibatch_size), device=device)
-        pc = sequence_logprobs(policy.model, *(x[idx] for x in enc_c))
-        pr = sequence_logprobs(policy.model, *(x[idx] for x in enc_r))
-        return (*dpo_loss(pc, pr, ref_c[idx], ref_r[idx], a.dpo_beta, a.dpo_label_smoothing, a.dpo_loss), len(idx))
+        part, share = run.mine(idx)  # this rank's pairs and their fraction of the batch
+        pc = sequence_logprobs(policy.model, *(x[part] for x in enc_c))
+        pr = sequence_logprobs(policy.model, *(x[part] for x in enc_r))
+        loss, m = dpo_loss(pc, pr, ref_c[part], ref_r[part], a.dpo_beta, a.dpo_label_smoothing, a.dpo_loss)
+        return loss * share, {k: v * share for k, v in m.items() if k != "loss"}, len(idx)
 
     return run.train("dpo", t.steps, t.grad_clip, step_fn, evaluate, cfg.eval.every, eval_before=True,
                      show=lambda m: f"loss {m['loss']:.3f}  acc {m['rewards/accuracy']:.2f}", unit="pairs",

@@ -45,7 +45,13 @@ def sft_flow(cfg: SFTConfig, resume: bool = False, force: bool = False) -> dict:
         raise UserError("eval.reference=base measures drift from the starting model during RL; flow pretraining "
                         "starts from noise: use eval.reference=shapes (the true drawings) or a folder of images")
     quality = Quality(cfg.eval, "flow", cfg.run.seed)  # a wrong metric setting stops before the run dir
-    with OfflineRun.starting(cfg, "flow_sft", resume, force) as run:
+    from regen.runtime.dist import launched_by_torchrun
+
+    if cfg.distributed.mode == "torchrun" or launched_by_torchrun():
+        raise UserError("regen sft of a flow model runs in one process (its noise is drawn for the whole batch); "
+                        "start it with python / regen, not torchrun")
+    with OfflineRun.starting(cfg, "flow_sft", device, (cfg.sft.global_batch_size, "sft.global_batch_size"), resume,
+                             force) as run:
         setup_torch(cfg.run.threads, cfg.run.seed)
         policy = load_flow_policy(ckpt.resumed_model(cfg.model, run.state), cfg.run.seed, device)
         video = len(policy.sample_shape) == 4  # (F, C, H, W) samples

@@ -94,7 +94,7 @@ def train_rm(cfg: RMConfig, resume: bool = False, force: bool = False) -> dict:
     held = load_pairs(cfg.data.eval, cfg.task, "data.eval", skip, cfg.data.columns) if cfg.data.eval else []
     if not pairs:
         raise UserError(f"data.train: no pairs in '{cfg.data.train}'")
-    with OfflineRun.starting(cfg, "rm", resume, force) as run:
+    with OfflineRun.starting(cfg, "rm", device, (s.global_batch_size, "rm.global_batch_size"), resume, force) as run:
         setup_torch(cfg.run.threads, cfg.run.seed)
         model, tok = load_reward_model(ckpt.resumed_model(cfg.model, run.state), cfg.task, cfg.run.seed)
         if tok.pad_token_id is None:
@@ -127,10 +127,11 @@ def train_rm(cfg: RMConfig, resume: bool = False, force: bool = False) -> dict:
 
     def step_fn(step: int):
         idx = run.data.take(s.global_batch_size)
-        rc, rr = scores([enc_c[i] for i in idx]), scores([enc_r[i] for i in idx])
+        part, share = run.mine(torch.tensor(idx))  # this rank's pairs and their fraction of the batch
+        rc, rr = scores([enc_c[i] for i in part.tolist()]), scores([enc_r[i] for i in part.tolist()])
         diff = (rc - rr).detach()
-        return (bradley_terry_loss(rc, rr, s.margin), {"accuracy": (diff > 0).float().mean(), "margin": diff.mean()},
-                len(idx))
+        return (bradley_terry_loss(rc, rr, s.margin) * share,
+                {"accuracy": (diff > 0).float().mean() * share, "margin": diff.mean() * share}, len(idx))
 
     def said(before: dict, after: dict | None) -> str | None:
         if after is None:

@@ -69,7 +69,8 @@ def sft(cfg: SFTConfig, resume: bool = False, force: bool = False) -> dict:
     skip_bad = cfg.data.on_bad_line == "skip"
     eval_items = load_prompts(cfg.data.eval, cfg.task, "data.eval", skip_bad, cfg.data.columns) if cfg.data.eval else []
     quality = Quality(cfg.eval, "lm", cfg.run.seed)  # a wrong metric setting stops before the run dir
-    with OfflineRun.starting(cfg, "sft", resume, force) as run:
+    with OfflineRun.starting(cfg, "sft", device, (cfg.sft.global_batch_size, "sft.global_batch_size"), resume,
+                             force) as run:
         setup_torch(cfg.run.threads, cfg.run.seed)
         model, tok = load_model_and_tokenizer(ckpt.resumed_model(cfg.model, run.state), cfg.task, cfg.run.seed)
         check_trainable(model, cfg.model)  # model.freeze_vision
@@ -94,11 +95,14 @@ def sft(cfg: SFTConfig, resume: bool = False, force: bool = False) -> dict:
 
     def step_fn(step: int):
         idx = torch.tensor(run.data.take(s.global_batch_size), device=device)
-        width = int(mask[idx].sum(1).max())  # trim the batch to its longest row
-        b_ids, b_mask, b_lab = ids[idx, :width], mask[idx, :width], labels[idx, :width]
-        logits = policy.model(input_ids=b_ids, attention_mask=b_mask, **select_vision(vision, idx)).logits
-        # position t predicts token t+1; mean over completion tokens of the batch
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), b_lab[:, 1:].flatten(), ignore_index=IGNORE)
+        part, _ = run.mine(idx)  # this rank's rows (all of them in one process)
+        width = int(mask[part].sum(1).max())  # trim the rows to the longest (right padding)
+        b_ids, b_mask, b_lab = ids[part, :width], mask[part, :width], labels[part, :width]
+        logits = policy.model(input_ids=b_ids, attention_mask=b_mask, **select_vision(vision, part)).logits
+        # position t predicts token t+1; the mean over the completion tokens of the whole batch (of every rank)
+        tokens = (labels[idx, 1:] != IGNORE).sum().clamp(min=1)
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), b_lab[:, 1:].flatten(), ignore_index=IGNORE,
+                               reduction="sum") / tokens
         return loss, {}, len(idx)
 
     policy.model.train()

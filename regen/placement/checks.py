@@ -50,10 +50,9 @@ def which_loop(cfg: RLConfig) -> str:
     if flow_model and not flow_algo:
         raise UserError(f"model '{model}' is a flow-matching model: use algorithm.name flow_grpo, flow_dppo, nft "
                         f"or awm, not {cfg.algorithm.name}")
-    mode = cfg.distributed.mode
-    spread = mode in ("torchrun", "ray") or (mode == "auto" and rdist.launched_by_torchrun())
-    if spread and cfg.algorithm.name == "dpo":
-        raise UserError(f"distributed.mode={mode}: DPO trains in one process")
+    if cfg.algorithm.name == "dpo" and cfg.distributed.mode == "ray":
+        raise UserError("distributed.mode=ray: DPO runs in one process or under torchrun (distributed.mode single, "
+                        "torchrun or auto)")
     return "dpo" if cfg.algorithm.name == "dpo" else "online"
 
 

@@ -283,3 +283,22 @@ def restore(state: dict, run_dir: Path, opt, data, gen: torch.Generator | None =
                 print(f"note: {name}: dropped {torn} unreadable line(s) (a write cut off by a full disk or a kill)")
     return step
 
+
+# what wrote a run directory's checkpoints (state.json "trainer"), as the user started it
+TRAINERS = {"rl": "`regen train` (RL)", "dpo": "`regen train` with algorithm.name=dpo", "sft": "`regen sft`",
+            "flow_sft": "`regen sft` of a flow model", "rm": "`regen rm`"}
+
+
+def trainer_of(state: dict) -> str | None:
+    """Which trainer wrote a checkpoint (its state.json); checkpoints of an older regen name none: an RL run's is
+    known by its reward versions, an offline one is not known (not compared)."""
+    return state.get("trainer") or ("rl" if "reward_versions" in state else None)
+
+
+def check_trainer(state: dict, trainer: str, run_dir: Path) -> None:
+    """Refuse to resume another trainer's checkpoint: it would be trained on as if it were this one's, pruned by
+    retention, and its export replaced."""
+    other = trainer_of(state["state"])
+    if other is not None and other != trainer:
+        raise UserError(f"run.dir: '{run_dir}' holds a run of {TRAINERS.get(other, other)}; {TRAINERS[trainer]} "
+                        "would resume from its checkpoints and replace its export: choose another run.dir")

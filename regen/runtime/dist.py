@@ -105,6 +105,23 @@ class Dist:
         tdist.all_reduce(t)
         return dict(zip(keys, t.tolist(), strict=True))
 
+    def sum_grads(self, params: list[torch.nn.Parameter]) -> None:
+        """Sum the gradients of `params` over ranks in place, in one flat all-reduce (a missing gradient counts as
+        zeros): data parallelism without a wrapper, for trainers whose ranks' losses add up to the whole batch's."""
+        if not self.on:
+            return
+        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+        for p in params:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        for group in by_dtype.values():  # one all-reduce per dtype (the same groups on every rank)
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in group]
+            flat = torch.cat([g.reshape(-1) for g in grads]).to(self.device)
+            tdist.all_reduce(flat)
+            start = 0
+            for p, g in zip(group, grads):
+                p.grad = flat[start : start + g.numel()].view_as(g).to(g.device)
+                start += g.numel()
+
     def all_true(self, flag: bool) -> bool:
         """True when `flag` holds on every rank: decisions that must not diverge (skip a step)."""
         if not self.on:

@@ -146,3 +146,13 @@ def truncate_after(path: Path, step: int, keep_before_start: bool = False) -> in
     tmp.write_text("".join(json.dumps(row) + "\n" for row in keep), encoding="utf-8")
     os.replace(tmp, path)
     return torn
+
+
+class SilentLog:
+    """The metrics logger of torchrun ranks other than 0 (rank 0 writes metrics.jsonl)."""
+
+    def log(self, step: int, metrics: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -240,3 +240,17 @@ def versions(model_source: str, reward_versions: dict, config_tree: dict) -> dic
         pass
     return {"regen": __version__, "git_commit": commit, "model": model_source, "rewards": reward_versions,
             "config_hash": config_hash(config_tree)}
+
+
+def prepare_on_rank0(cfg, resume: bool, d) -> tuple[Path, bool]:
+    """Rank 0 creates or checks the run directory; the others learn the outcome (or its error)."""
+    outcome: tuple = (None, resume, None)
+    if d.main:
+        try:
+            outcome = (*prepare(cfg.run.dir, cfg.run.overwrite, resume), None)
+        except UserError as e:
+            outcome = (None, resume, str(e))
+    run_dir, resume, error = d.broadcast_object(outcome)
+    if error is not None:
+        raise UserError(error)
+    return Path(run_dir), resume

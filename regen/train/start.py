@@ -13,21 +13,11 @@ from regen.data.tasks import Task, TaskMix, TaskWeights, tag
 from regen.errors import UserError
 from regen.rewards.tasks import build_reward
 from regen.runtime import checkpoint as ckpt
-from regen.runtime import dist as rdist
 from regen.runtime.alerts import Alerts
 from regen.runtime.health import HealthMonitor
 from regen.runtime.loggers import require as require_loggers
-from regen.runtime.rundir import prepare
-
-
-class SilentLog:
-    """The metrics logger of torchrun ranks other than 0 (rank 0 writes metrics.jsonl)."""
-
-    def log(self, step: int, metrics: dict) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+from regen.runtime.metrics import SilentLog  # noqa: F401  (re-exported)
+from regen.runtime.rundir import prepare_on_rank0  # noqa: F401  (re-exported)
 
 
 def run_inputs(cfg: RLConfig) -> tuple[object, list[PromptItem], list[PromptItem], list[Task] | None]:
@@ -74,27 +64,11 @@ def data_sampler(cfg: RLConfig, n_prompts: int, tasks: list[Task] | None) -> Epo
     return TaskMix([len(t.prompts) for t in tasks], weights, cfg.run.seed)
 
 
-def prepare_on_rank0(cfg: RLConfig, resume: bool, d: rdist.Dist) -> tuple[Path, bool]:
-    """Rank 0 creates or checks the run directory; the others learn the outcome (or its error)."""
-    outcome: tuple = (None, resume, None)
-    if d.main:
-        try:
-            outcome = (*prepare(cfg.run.dir, cfg.run.overwrite, resume), None)
-        except UserError as e:
-            outcome = (None, resume, str(e))
-    run_dir, resume, error = d.broadcast_object(outcome)
-    if error is not None:
-        raise UserError(error)
-    return Path(run_dir), resume
-
-
 def resume_state(cfg: RLConfig, run_dir: Path, alerts: Alerts, force: bool) -> dict:
     """The newest valid checkpoint, refused when settings that change the computation differ
     from the ones it was trained with (unless force)."""
-    from regen.offline.books import check_trainer
-
     state = ckpt.load_latest(run_dir, warn=lambda m: alerts.fire(-1, "checkpoint_skipped", m))
-    check_trainer(state, "rl", run_dir)  # an SFT, DPO or reward-model run's directory
+    ckpt.check_trainer(state, "rl", run_dir)  # an SFT, DPO or reward-model run's directory
     saved = state["state"].get("config")
     diff = changed_settings(cfg, saved) if saved else []
     if diff and not force:
