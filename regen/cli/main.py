@@ -193,47 +193,50 @@ def _load(kind, args):
     return cfg
 
 
-def cmd_train(args) -> int:
-    from regen.config import RLConfig
-
-    cfg = _load(RLConfig, args)
+def _train_verb(kind, trainer, args) -> int:
+    """A training verb: its config loaded (or --help-config / --print-config answered), trainer(cfg) -> the
+    summary, printed unless the run stopped early."""
+    cfg = _load(kind, args)
     if cfg is None:
         return 0
-    from regen.train import train
-
-    summary = train(cfg, resume=args.resume, force=args.force)
+    summary = trainer(cfg)(cfg, resume=args.resume, force=args.force)
     if not summary.get("stopped_early"):
         _print_summary(summary)
     return 0
+
+
+def cmd_train(args) -> int:
+    from regen.config import RLConfig
+
+    def trainer(cfg):
+        from regen.train import train
+
+        return train
+
+    return _train_verb(RLConfig, trainer, args)
 
 
 def cmd_sft(args) -> int:
     from regen.config import SFTConfig
 
-    cfg = _load(SFTConfig, args)
-    if cfg is None:
-        return 0
-    from regen.offline.flow_sft import is_flow_model, sft_flow
-    from regen.offline.sft import sft
+    def trainer(cfg):  # a flow model's flow-matching SFT, or a language model's
+        from regen.offline.flow_sft import is_flow_model, sft_flow
+        from regen.offline.sft import sft
 
-    summary = (sft_flow if is_flow_model(cfg.model) else sft)(cfg, resume=args.resume, force=args.force)
-    if not summary.get("stopped_early"):
-        _print_summary(summary)
-    return 0
+        return sft_flow if is_flow_model(cfg.model) else sft
+
+    return _train_verb(SFTConfig, trainer, args)
 
 
 def cmd_rm(args) -> int:
     from regen.config import RMConfig
 
-    cfg = _load(RMConfig, args)
-    if cfg is None:
-        return 0
-    from regen.offline.rm import train_rm
+    def trainer(cfg):
+        from regen.offline.rm import train_rm
 
-    summary = train_rm(cfg, resume=args.resume, force=args.force)
-    if not summary.get("stopped_early"):
-        _print_summary(summary)
-    return 0
+        return train_rm
+
+    return _train_verb(RMConfig, trainer, args)
 
 
 def _print_summary(summary: dict) -> None:
