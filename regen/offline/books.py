@@ -86,7 +86,6 @@ class OfflineRun:
     log: MetricsLogger | SilentLog | None = None
     start_step: int = 0
     dist: rdist.Dist = field(default_factory=rdist.Dist)  # torchrun: this rank (single: rank 0 of 1)
-    extra: dict = field(default_factory=dict)  # more for state.json
 
     @classmethod
     @contextmanager
@@ -269,7 +268,7 @@ class OfflineRun:
                 self.run_dir, step, self.model.save, self.opt, rng={"torch_cpu": torch.get_rng_state()},
                 state={"data": self.data.state(), "trainer": self.trainer, "healthy": not self.health.problem,
                        "health": self.health.state(), "config": redact(self.cfg.model_dump(mode="json")),
-                       "regen_version": __version__, **self.extra},
+                       "regen_version": __version__},
                 keep_last=self.cfg.checkpoint.keep_last)
         except ckpt.WRITE_ERRORS as e:
             why = getattr(e, "strerror", None) or str(e)
