@@ -202,3 +202,13 @@ def test_sigkill_and_sigterm_then_resume_give_the_uninterrupted_weights(trainer,
         assert not (run / "export").exists()
         assert main(cmd(run, *steps)) == 0
         assert weights_of(run / "export") == weights_of(tmp_path / "ref" / "export"), sig.name
+
+
+@pytest.mark.parametrize("verb,model,keys", [
+    ("sft", "model.init=arith-char-gpt2", ["distributed.mode=single", "distributed.backend=gloo"]),
+    ("sft", "model.init=shapes-unet", ["distributed.timeout_s=60"]),
+    ("rm", "model.init=arith-char-gpt2", ["distributed.mode=single", "distributed.timeout_s=60"])])
+def test_process_group_keys_outside_torchrun_are_refused(verb, model, keys, tmp_path, capsys):
+    assert main([verb, model, f"run.dir={tmp_path / 'run'}", *keys]) == 2
+    key = keys[-1].split("=")[0]
+    assert key in capsys.readouterr().err and not (tmp_path / "run").exists()

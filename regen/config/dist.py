@@ -111,3 +111,15 @@ class OfflineDistributedConfig(Section):
     timeout_s: float = Field(
         1800.0, ge=1.0, description="torchrun: seconds a collective waits for every rank before the run fails."
     )
+
+
+def offline_unread(mode: str, given, flow: bool = False) -> list[str]:
+    """Messages for the distributed.* keys a trainer without sampling would not read: the process group's
+    settings outside torchrun, and every one of them for a flow model's SFT (one process only)."""
+    out = []
+    for key in sorted(k for k in given if k in ("distributed.mode", "distributed.backend", "distributed.timeout_s")):
+        if flow and key != "distributed.mode":
+            out.append(f"{key} is not read by `regen sft` of a flow model (it runs in one process)")
+        elif key != "distributed.mode" and mode == "single":
+            out.append(f"{key} is read only under torchrun (distributed.mode torchrun or auto)")
+    return out

@@ -18,7 +18,7 @@ from regen.config import (
     TaskConfig,
 )
 from regen.config.base import Section
-from regen.config.dist import OfflineDistributedConfig
+from regen.config.dist import OfflineDistributedConfig, offline_unread
 
 
 class RMStepsConfig(Section):
@@ -61,6 +61,10 @@ class RMConfig(Section):
     health: OfflineHealthConfig = Field(default_factory=OfflineHealthConfig)
     distributed: OfflineDistributedConfig = Field(default_factory=OfflineDistributedConfig)
     log: LogConfig = Field(default_factory=lambda: LogConfig(every=20))
+
+    def unread(self, given) -> list[str]:
+        """Messages for keys the user set that `regen rm` does not read: the process group's outside torchrun."""
+        return offline_unread(self.distributed.mode, given)
 
     @model_validator(mode="after")
     def _supported(self) -> RMConfig:

@@ -1,0 +1,69 @@
+"""`regen sft`: the supervised fine-tuning config (regen/offline/sft.py, regen/offline/flow_sft.py)."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from regen.config import (
+    CheckpointConfig,
+    DataConfig,
+    EvalConfig,
+    LogConfig,
+    ModelConfig,
+    OfflineHealthConfig,
+    OptimConfig,
+    RolloutConfig,
+    RunConfig,
+    SFTStepsConfig,
+    TaskConfig,
+)
+from regen.config.base import Section
+from regen.config.dist import OfflineDistributedConfig, offline_unread
+
+# the rollout keys `regen sft` of a language model reads: its held-out evaluation samples with them
+SFT_ROLLOUT = ("temperature", "top_p", "max_new_tokens", "stop_tokens")
+
+
+class SFTConfig(Section):
+    """`regen sft`: supervised fine-tuning on prompt/completion demonstrations."""
+
+    run: RunConfig = Field(default_factory=lambda: RunConfig(dir="runs/sft"))
+    model: ModelConfig
+    data: DataConfig = Field(default_factory=DataConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    sft: SFTStepsConfig = Field(default_factory=SFTStepsConfig)
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-3))
+    eval: EvalConfig = Field(default_factory=lambda: EvalConfig(greedy=True))
+    rollout: RolloutConfig = Field(
+        default_factory=RolloutConfig, description="Sampling settings used by held-out evaluation."
+    )
+    checkpoint: CheckpointConfig = Field(default_factory=lambda: CheckpointConfig(every=0))
+    health: OfflineHealthConfig = Field(default_factory=OfflineHealthConfig)
+    distributed: OfflineDistributedConfig = Field(default_factory=OfflineDistributedConfig)
+    log: LogConfig = Field(default_factory=lambda: LogConfig(every=200))
+
+    def unread(self, given) -> list[str]:
+        """Messages for keys the user set that `regen sft` does not read: of rollout.*, held-out evaluation of a
+        language model reads only the sampling settings (SFT_ROLLOUT), a flow model's none; the process group's
+        settings outside torchrun (a flow model's: never)."""
+        from regen.policies.flow_load import is_flow_model
+
+        keys = sorted(k for k in given if k.startswith("rollout."))
+        flow = bool(keys or any(k.startswith("distributed.") for k in given)) and is_flow_model(self.model)
+        if flow:
+            out = [f"{k} is not read by `regen sft` of a flow model (its held-out samples take 20 ODE steps)"
+                   for k in keys]
+        else:
+            out = [f"{k} is not read by `regen sft` (held-out evaluation reads only rollout.{', rollout.'.join(SFT_ROLLOUT)})"
+                   for k in keys if k.removeprefix("rollout.").split(".")[0] not in SFT_ROLLOUT]
+        return out + offline_unread(self.distributed.mode, given, flow)
+
+    @model_validator(mode="after")
+    def _no_chat(self) -> SFTConfig:
+        if self.data.chat_template or self.data.system_prompt is not None:
+            raise ValueError("data.chat_template / data.system_prompt: `regen sft` trains on the rows' text as "
+                             "written; chat templates are for `regen train` (render the demonstrations beforehand)")
+        if self.task.known_synonyms and not str(self.data.train).startswith("builtin:shapes-paraphrase"):
+            raise ValueError(f"task.known_synonyms={self.task.known_synonyms}: it shapes the demonstrations of "
+                             f"builtin:shapes-paraphrase:train, not data.train={self.data.train}")
+        return self
