@@ -286,3 +286,27 @@ def test_unreachable_bucket_is_one_clear_error(base_model, s3, endpoint, tmp_pat
     assert main(["train", f"model.path={base_model}", f"run.dir={tmp_path}", "log.progress=none",
                  "mirror.url=s3://no-such-bucket-here/x", f"mirror.endpoint_url={endpoint}"]) == 2
     assert "mirror.url: cannot list 's3://no-such-bucket-here/x'" in capsys.readouterr().err
+
+
+@pytest.mark.extended  # two runs per trainer against a local S3: second CI tier
+@pytest.mark.parametrize("kind", ["sft", "flow_sft", "dpo", "rm"])
+def test_an_offline_run_resumes_exactly_from_the_bucket(kind, base_model, s3, endpoint, tmp_path):
+    """regen sft (language and flow models), DPO and regen rm mirror their checkpoints and export like RL runs,
+    and a run whose directory is gone continues from the bucket to the weights of a run never interrupted."""
+    from regen.cli import main
+    from tests.test_offline_books import STEPS, args, weights_of
+
+    mirror = [f"mirror.url=s3://{s3.bucket}/runs/{kind}", f"mirror.endpoint_url={endpoint}"]
+    straight, lost = tmp_path / "straight", tmp_path / "lost"
+    straight.mkdir(), lost.mkdir()
+    common = ["checkpoint.every=2", "optim.lr=1e-3"]
+    assert main(args(kind, base_model, straight / "run", f"{STEPS[kind]}=6", *common)) == 0
+    assert main(args(kind, base_model, lost / "run", f"{STEPS[kind]}=4", *common, *mirror)) == 0
+    prefix = f"runs/{kind}/"
+    assert {k.split("/")[3] for k in _keys(s3) if k.startswith(prefix + "checkpoints/")} == {
+        "step_00000002", "step_00000004"}
+    assert any(k.startswith(prefix + "export/") for k in _keys(s3))
+    shutil.rmtree(lost / "run")  # the machine is gone; only the bucket remains
+    assert main(args(kind, base_model, lost / "run", f"{STEPS[kind]}=6", *common, *mirror)) == 0
+    assert [r["step"] for r in read_jsonl(lost / "run" / "metrics.jsonl") if "loss" in r] == [5, 6]
+    assert weights_of(lost / "run" / "export") == weights_of(straight / "run" / "export")

@@ -161,7 +161,7 @@ OWN: dict[str, list[Read]] = {
                      "eval.every", "eval.num_prompts", "eval.samples_per_prompt", "eval.temperature", "eval.greedy",
                      "eval.batch_size", "rollout.temperature", "rollout.top_p", "rollout.max_new_tokens", "checkpoint",
                      "log", "health.rollback_after_nonfinite", "health.rollback_lr_factor", "health.max_rollbacks",
-                     "health.stall_alert_s", "health.webhook_url", "distributed.mode"),
+                     "health.stall_alert_s", "health.webhook_url", "distributed.mode", "mirror"),
             *_when("under torchrun (distributed.mode torchrun or auto)", _torchrun, "distributed.backend",
                    "distributed.timeout_s"),
             *QUALITY],

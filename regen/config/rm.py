@@ -11,6 +11,7 @@ from regen.config import (
     DataConfig,
     EvalConfig,
     LogConfig,
+    MirrorConfig,
     ModelConfig,
     OfflineHealthConfig,
     OptimConfig,
@@ -58,6 +59,7 @@ class RMConfig(Section):
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-4))
     eval: RMEvalConfig = Field(default_factory=RMEvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=lambda: CheckpointConfig(every=0))
+    mirror: MirrorConfig = Field(default_factory=MirrorConfig)
     health: OfflineHealthConfig = Field(default_factory=OfflineHealthConfig)
     distributed: OfflineDistributedConfig = Field(default_factory=OfflineDistributedConfig)
     log: LogConfig = Field(default_factory=lambda: LogConfig(every=20))

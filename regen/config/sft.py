@@ -9,6 +9,7 @@ from regen.config import (
     DataConfig,
     EvalConfig,
     LogConfig,
+    MirrorConfig,
     ModelConfig,
     OfflineHealthConfig,
     OptimConfig,
@@ -38,6 +39,7 @@ class SFTConfig(Section):
         default_factory=RolloutConfig, description="Sampling settings used by held-out evaluation."
     )
     checkpoint: CheckpointConfig = Field(default_factory=lambda: CheckpointConfig(every=0))
+    mirror: MirrorConfig = Field(default_factory=MirrorConfig)
     health: OfflineHealthConfig = Field(default_factory=OfflineHealthConfig)
     distributed: OfflineDistributedConfig = Field(default_factory=OfflineDistributedConfig)
     log: LogConfig = Field(default_factory=lambda: LogConfig(every=200))

@@ -13,7 +13,9 @@ gives is written once for the four of them:
 - weights that are not finite are never checkpointed nor exported;
 - a checkpoint that cannot be written (disk full) is a `checkpoint_failed` alert and training
   goes on; an export that cannot be written is one error line;
-- SIGINT / SIGTERM finish the step, checkpoint and stop; the same command resumes exactly.
+- SIGINT / SIGTERM finish the step, checkpoint and stop; the same command resumes exactly;
+- with mirror.url, checkpoints and export/ are uploaded to S3 in the background, and a run directory that
+  is gone resumes from the bucket's newest complete checkpoint.
 
 A trainer gives the forward pass of one step (`step_fn`) and how to save, reload and export its
 model; `OfflineRun.train` runs the steps.
@@ -36,6 +38,7 @@ from regen.runtime import dist as rdist
 from regen.runtime.alerts import Alerts
 from regen.runtime.health import HealthMonitor
 from regen.runtime.metrics import MetricsLogger, SilentLog
+from regen.runtime.mirror import open_mirror
 from regen.runtime.optim import lr_at, set_lr
 from regen.runtime.progress import StepProgress
 from regen.runtime.rundir import mark_closed, mark_running, prepare_on_rank0, undone_on_failure, write_folder
@@ -86,6 +89,7 @@ class OfflineRun:
     log: MetricsLogger | SilentLog | None = None
     start_step: int = 0
     dist: rdist.Dist = field(default_factory=rdist.Dist)  # torchrun: this rank (single: rank 0 of 1)
+    mirror: object | None = None  # S3Mirror when mirror.url is set (rank 0)
 
     @classmethod
     @contextmanager
@@ -105,7 +109,11 @@ class OfflineRun:
         try:
             with undone_on_failure(run_dir, fresh, dist.main):
                 alerts = Alerts(run_dir, webhook_url=cfg.health.webhook_url)
-                state = None
+                mirror = open_mirror(cfg, alerts) if dist.main else None
+                if mirror is not None and not resume and mirror.list_complete():
+                    # nothing here but checkpoints in the bucket: continue from the newest valid one
+                    resume = mirror.download_latest(run_dir / "checkpoints") is not None
+                resume, state = dist.broadcast_object(resume), None
                 if resume:
                     state = ckpt.load_latest(run_dir, warn=lambda m: alerts.fire(-1, "checkpoint_skipped", m))
                     ckpt.check_trainer(state, trainer, run_dir)
@@ -116,7 +124,8 @@ class OfflineRun:
                                         + "; ".join(diff) + " (pass --force to resume anyway, or use another run.dir)")
                     if dist.main:
                         print(f"resuming from {state['folder']}")
-                yield cls(cfg, trainer, run_dir, state, alerts, HealthMonitor(cfg.health, alerts), dist=dist)
+                yield cls(cfg, trainer, run_dir, state, alerts, HealthMonitor(cfg.health, alerts), dist=dist,
+                          mirror=mirror)
         except BaseException:
             rdist.stop()
             raise
@@ -197,6 +206,8 @@ class OfflineRun:
                         bar.print(said(before, after))
         except RunStopped:
             self.log.close()
+            if self.mirror is not None:
+                self.mirror.close()  # the checkpoints written so far reach the bucket
             if self.dist.main:
                 mark_closed(self.run_dir, "stopped")
             rdist.stop()
@@ -258,6 +269,8 @@ class OfflineRun:
         folder = self.dist.broadcast_object(self._write(step) if self.dist.main else None)
         if folder is not None:
             self.health.checkpointed()
+            if self.mirror is not None:
+                self.mirror.submit(folder)  # background upload; failures become alerts
         return folder
 
     def _write(self, step: int) -> Path | None:
@@ -299,6 +312,8 @@ class OfflineRun:
                 raise UserError(error)
             return {**summary, "checkpoint": str(last), "export": str(self.run_dir / "export")}
         finally:
+            if self.mirror is not None:
+                self.mirror.close()  # waits for the uploads still in flight
             rdist.stop()
 
     def _export(self) -> str | None:
@@ -309,5 +324,7 @@ class OfflineRun:
             mark_closed(self.run_dir, "stopped")
             return (f"export: cannot write {self.run_dir / 'export'}: {e.strerror or e}; the final checkpoint is in "
                     f"{self.run_dir / 'checkpoints'}: free space and run `regen export` on it")
+        if self.mirror is not None:
+            self.mirror.submit_export(self.run_dir / "export")
         mark_closed(self.run_dir, "finished")
         return None

@@ -217,3 +217,19 @@ class S3Mirror:
             except UserError as e:
                 self.on_event("mirror_corrupt", f"skipping {e}", name=name)
         return None
+
+
+def open_mirror(cfg, alerts):
+    """The S3 mirror of a run whose config has a `mirror` section (None when mirror.url is unset), checked at
+    start so a wrong bucket or missing credentials is one clear error now instead of failed uploads later; its
+    events become alerts."""
+    if not cfg.mirror.url:
+        return None
+    mirror = S3Mirror(cfg.mirror.url, endpoint_url=cfg.mirror.endpoint_url, keep_last=cfg.mirror.keep_last,
+                      on_event=lambda kind, message, **data: alerts.fire(data.pop("step", -1), kind, message, **data)
+                      if kind != "mirror_uploaded" else None)
+    try:
+        mirror.list_complete()
+    except Exception as e:  # botocore raises many types; all mean the same thing here
+        raise UserError(f"mirror.url: cannot list '{cfg.mirror.url}': {type(e).__name__}: {e}") from None
+    return mirror

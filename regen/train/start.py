@@ -17,6 +17,7 @@ from regen.runtime.alerts import Alerts
 from regen.runtime.health import HealthMonitor
 from regen.runtime.loggers import require as require_loggers
 from regen.runtime.metrics import SilentLog  # noqa: F401  (re-exported)
+from regen.runtime.mirror import open_mirror  # noqa: F401  (re-exported)
 from regen.runtime.rundir import prepare_on_rank0  # noqa: F401  (re-exported)
 
 
@@ -100,20 +101,3 @@ def restore_books(state: dict | None, run_dir: Path, opt, data, gen, health: Hea
     if isinstance(data, TaskMix) and "task_weights" in state["state"]:
         data.weights.load_state(state["state"]["task_weights"])
     return step
-
-
-def open_mirror(cfg: RLConfig, alerts: Alerts):
-    """The S3 mirror, checked at start so a wrong bucket or missing credentials is one clear
-    error now instead of failed uploads later."""
-    if not cfg.mirror.url:
-        return None
-    from regen.runtime.mirror import S3Mirror
-
-    mirror = S3Mirror(cfg.mirror.url, endpoint_url=cfg.mirror.endpoint_url, keep_last=cfg.mirror.keep_last,
-                      on_event=lambda kind, message, **data: alerts.fire(data.pop("step", -1), kind, message, **data)
-                      if kind != "mirror_uploaded" else None)
-    try:
-        mirror.list_complete()
-    except Exception as e:  # botocore raises many types; all mean the same thing here
-        raise UserError(f"mirror.url: cannot list '{cfg.mirror.url}': {type(e).__name__}: {e}") from None
-    return mirror
