@@ -212,3 +212,22 @@ def test_process_group_keys_outside_torchrun_are_refused(verb, model, keys, tmp_
     assert main([verb, model, f"run.dir={tmp_path / 'run'}", *keys]) == 2
     key = keys[-1].split("=")[0]
     assert key in capsys.readouterr().err and not (tmp_path / "run").exists()
+
+
+def test_a_lora_dpo_run_rolls_back_its_adapter(base_model, tmp_path, monkeypatch):
+    """DPO with model.lora: a rollback reloads the adapter of the last healthy checkpoint onto the starting weights
+    (the checkpoint holds the adapter only)."""
+    real, calls = OfflineRun.optimizer_step, []
+
+    def nan_at_3_and_4(self, loss, lr, grad_clip):
+        calls.append(lr)
+        return real(self, loss * float("nan") if len(calls) in (3, 4) else loss, lr, grad_clip)
+
+    monkeypatch.setattr(OfflineRun, "optimizer_step", nan_at_3_and_4)
+    run = tmp_path / "run"
+    assert main(args("dpo", base_model, run, "train.steps=6", "optim.lr=1e-3", "checkpoint.every=2",
+                     "checkpoint.keep_last=3", "health.rollback_after_nonfinite=2", "model.lora={r: 4, alpha: 8}")) == 0
+    ckpts = run / "checkpoints"
+    assert (ckpts / "step_00000002" / "model" / "adapter_model.safetensors").is_file()
+    assert weights_of(ckpts / "step_00000004" / "model") == weights_of(ckpts / "step_00000002" / "model")
+    assert weights_of(ckpts / "step_00000006" / "model") != weights_of(ckpts / "step_00000004" / "model")
