@@ -21,7 +21,8 @@ import yaml
 from regen.cli import main
 from regen.config import RLConfig, describe, load_config
 from regen.config import reads as R
-from regen.config.methods import METHODS
+from regen.config.flow_methods import ODE, SDE
+from regen.config.registry import METHODS, MODALITIES
 from regen.errors import ConfigError
 from tests.conftest import BRIGHT, export_weights, make_tiny_clip, read_jsonl
 
@@ -46,8 +47,8 @@ def _inside_an_unset_section(tree: dict, key: str) -> bool:
 
 @pytest.mark.parametrize("method", list(METHODS))
 def test_every_key_is_read_by_the_method_or_refused_by_name(method):
-    base = [MODEL[METHODS[method]], f"algorithm.name={method}"]
-    if METHODS[method] == "flow":
+    base = [MODEL[METHODS[method].modality], f"algorithm.name={method}"]
+    if METHODS[method].modality == "flow":
         base.append("data.train=builtin:shapes:train")
     cfg = load_config(RLConfig, None, base)
     tree = cfg.model_dump(mode="json")
@@ -187,11 +188,11 @@ CASES = [
 def _group(method: str, key: str):
     """Whose reading of `key` a case with `method` shows: the modality's (a key every method of it
     reads the same way, through one code path) or the method's own."""
-    modality = METHODS[method]
-    shared = {"lm": R.LM, "flow": R.FLOW}[modality] if method != "dpo" else R.LM
-    if method in ("flow_grpo", "flow_dppo") and any(key == r.key for r in R.SDE):
+    modality = METHODS[method].modality
+    shared = MODALITIES[modality].reads
+    if method in ("flow_grpo", "flow_dppo") and any(key == r.key for r in SDE):
         return "sde"
-    if method in ("nft", "awm", "dgpo") and any(key == r.key for r in R.ODE):
+    if method in ("nft", "awm", "dgpo") and any(key == r.key for r in ODE):
         return "ode"  # one rollout path for the three
     if any(key == r.key or key.startswith(r.key + ".") for r in [*shared, *R.ONLINE]) and \
             key not in LOSS_KEYS:
@@ -260,7 +261,7 @@ def two_steps(base_model, flow_base, critic_folder, tiny_clip, tmp_path_factory)
                   "log.tensorboard=false", "checkpoint.every=0", "run.threads=2"]
         if method == "dpo":
             extra = [f"model.path={base_model}", "train.global_minibatch_size=8", "optim.lr=1e-3", f"data.train={pairs}"]
-        elif METHODS[method] == "lm":  # a reward the weak base gets right in some samples of a group, not all
+        elif METHODS[method].modality == "lm":  # a reward the weak base gets right in some samples of a group, not all
             extra = [f"model.path={base_model}", "rollout.global_batch_size=8", "rollout.group_size=4",
                      "rollout.max_new_tokens=4", "optim.lr=1e-3", ENDS_EVEN]
         else:
@@ -320,9 +321,9 @@ def _older(tree: dict) -> dict:
 def test_a_checkpoint_of_an_older_regen_resumes_without_force(method):
     from regen.train.run import changed_settings
 
-    cfg = load_config(RLConfig, None, [MODEL[METHODS[method]], f"algorithm.name={method}"])
+    cfg = load_config(RLConfig, None, [MODEL[METHODS[method].modality], f"algorithm.name={method}"])
     older = _older(cfg.model_dump(mode="json"))
-    if METHODS[method] == "flow":  # the language-model keys held their defaults, unused
+    if METHODS[method].modality == "flow":  # the language-model keys held their defaults, unused
         older["algorithm"].update(clip_low=0.2, clip_high=0.2, kl_coef=0.0)
     if method == "gspo":  # an older gspo run clipped at 0.2, today's default is 3e-4 / 4e-4: a real change
         older["algorithm"].update(clip_low=0.2, clip_high=0.2)

@@ -146,7 +146,7 @@ def test_nft_binary_labels_weigh_each_groups_good_and_bad_sets_alike(flow_base, 
     """A batch of two groups of 4 whose labels are 1,1,1,0 and 0,0,0,0: weights n / 2|G+-| = 2/3 for the
     good samples, 2 for the bad one of group 0, 0 in group 1 (nft_loss's weights are checked by hand in
     test_flow_ode_losses.py)."""
-    import regen.modalities.flow as fm
+    import regen.modalities.flow_methods as fm
 
     labels = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0])
     seen = {}

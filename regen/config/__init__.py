@@ -14,7 +14,7 @@ from pydantic import Field, PrivateAttr, field_validator, model_validator
 from regen.config.base import Section
 from regen.config.dist import DistributedConfig
 from regen.config.eval import EvalConfig
-from regen.config.methods import CLIP_DEFAULTS, METHODS, CriticConfig, FlowConfig, OverlongConfig
+from regen.config.methods import CriticConfig, FlowConfig, OverlongConfig
 from regen.config.model import LoraSettings, ModelConfig  # noqa: F401  (re-exported)
 from regen.config.ops import (  # noqa: F401  (re-exported: regen.config is the one place to import from)
     CheckpointConfig,
@@ -25,6 +25,12 @@ from regen.config.ops import (  # noqa: F401  (re-exported: regen.config is the 
     OfflineHealthConfig,
     WandbSettings,
 )
+from regen.config.registry import METHODS, method
+
+# the built-in modalities and methods register, language models first (the order of the listings)
+# isort: off
+from regen.config import lm_methods, flow_methods  # noqa: F401,E402
+# isort: on
 from regen.config.tasks import (  # noqa: F401  (RewardTerm, TaskConfig: re-exported)
     RewardTerm,
     TaskConfig,
@@ -96,15 +102,17 @@ class RolloutConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    name: Literal["grpo", "ppo", "gspo", "dpo", "flow_grpo", "flow_dppo", "nft", "awm", "dgpo"] = Field(
-        "grpo", description="Policy loss: 'grpo' (token-level clipped ratio; with clip_high 0.28 and overlong, DAPO), "
-        "'ppo' (the same clipped loss on per-token GAE advantages from a learned critic, see the critic section), "
-        "'gspo' (sequence-level length-normalised ratio, Zheng 2025; clip ranges 3e-4 / 4e-4 by default), or 'dpo' "
-        "(offline, on preference pairs from data.train; train.global_minibatch_size pairs per step). Flow models "
-        "(see the flow section): 'flow_grpo' (clipped ratio over SDE steps), 'flow_dppo' (KL trust region over SDE "
-        "steps), 'nft' (DiffusionNFT on ODE samples), 'awm' (advantage-weighted flow matching on ODE samples), "
-        "'dgpo' (DGPO: group preferences learned from ODE samples, Luo et al. 2025)."
+    name: str = Field(
+        "grpo", json_schema_extra={"choices": "methods"},
+        description="The method, each declared once (regen/config/registry.py):"
     )
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        method(v)  # a ValueError naming the registered methods
+        return v
+
     reward_type: Literal["scalar", "binary", "pairwise"] = Field(
         "scalar", description="nft / dgpo: the form of the total reward. 'scalar': group-normalised advantages. "
         "'binary': good (1) / bad (0) labels used as they are (NFT's optimality r = the label, each group's good and "
@@ -239,10 +247,11 @@ class RLConfig(Section):
         r, t, a = self.rollout, self.train, self.algorithm
         if a.advantage is None:
             a.advantage = "gae" if a.name == "ppo" else "grpo"
-        low, high = CLIP_DEFAULTS.get(a.name, (None, None))
+        m = method(a.name)
+        low, high = m.clip or (None, None)
         a.clip_low = low if a.clip_low is None else a.clip_low
         a.clip_high = high if a.clip_high is None else a.clip_high
-        if a.name == "dgpo" and a.clip_high is None:
+        if a.clip_high is None:  # a method without default clips (dgpo): one range, symmetric
             a.clip_high = a.clip_low
         if (a.name == "ppo") != (a.advantage == "gae"):
             raise ValueError(f"algorithm.name={a.name} with algorithm.advantage={a.advantage}: the critic's GAE "
@@ -260,10 +269,10 @@ class RLConfig(Section):
             )
         if t.global_minibatch_size is None:
             t.global_minibatch_size = r.global_batch_size
-        if self.tasks and a.name == "dpo":
-            raise ValueError("tasks: multi-task runs are for the online methods; algorithm.name=dpo trains on the "
-                             "preference pairs of data.train")
-        if self.algorithm.name == "dpo":  # offline: pairs per step is train.global_minibatch_size, no rollout
+        if self.tasks and not m.online:
+            raise ValueError(f"tasks: multi-task runs are for the online methods; algorithm.name={a.name} trains on "
+                             "the preference pairs of data.train")
+        if not m.online:  # offline: pairs per step is train.global_minibatch_size, no rollout
             return self
         if t.global_minibatch_size > r.global_batch_size or r.global_batch_size % t.global_minibatch_size:
             raise ValueError(
@@ -281,16 +290,16 @@ class RLConfig(Section):
         if self.modality == "flow" and self.model is not None and self.model.freeze_vision is not None:
             raise ValueError(f"model.freeze_vision is for vision-language models, not algorithm.name={a.name}")
         f = self.flow
-        stochastic = a.name in ("flow_grpo", "flow_dppo")
+        stochastic = m.stochastic
         if f.sampler is None:
             f.sampler = "sde" if stochastic else "ode"
         elif self.modality == "flow" and stochastic == (f.sampler == "ode"):
             raise ValueError(f"flow.sampler={f.sampler} with algorithm.name={a.name}: " + (
                 "it trains on stochastic steps, so flow.sampler must be sde or cps" if stochastic else
                 "it trains on clean ODE samples (no stochastic steps), so flow.sampler must be ode"))
-        if a.name == "dgpo" and t.global_minibatch_size % r.group_size:
-            raise ValueError(f"train.global_minibatch_size={t.global_minibatch_size} must hold whole groups of "
-                             f"rollout.group_size={r.group_size} for dgpo (its weight is one per group)")
+        problem = m.check(self) if m.check else None
+        if problem:
+            raise ValueError(problem)
         if f.sde_window is not None and f.window_start + f.sde_window > f.steps:
             raise ValueError(f"flow.sde_window={f.sde_window} from flow.window_start={f.window_start} does not fit "
                              f"in flow.steps={f.steps}")
@@ -338,8 +347,8 @@ class RLConfig(Section):
 
     @property
     def modality(self) -> str:
-        """'lm' or 'flow': the kind of model algorithm.name trains."""
-        return METHODS[self.algorithm.name]
+        """'lm', 'flow' or another registered modality: the kind of model algorithm.name trains."""
+        return METHODS[self.algorithm.name].modality
 
     @property
     def prompts_per_step(self) -> int:

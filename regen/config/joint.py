@@ -117,13 +117,13 @@ def trains_at(spec: dict, step: int) -> bool:
 
 def kind_of(name: str, spec: dict) -> str:
     """'lm' or 'flow': what the model's algorithm.name trains."""
-    from regen.config.methods import METHODS
+    from regen.config.registry import METHODS, online_methods
 
     method = (spec.get("algorithm") or {}).get("name", "grpo")
-    if method not in METHODS or method == "dpo":
+    if method not in online_methods():
         raise ValueError(f"models.{name}.algorithm.name: '{method}' is not an online method "
-                         f"({', '.join(m for m in METHODS if m != 'dpo')})")
-    return METHODS[method]
+                         f"({', '.join(online_methods())})")
+    return METHODS[method].modality
 
 
 def group_sizes(models: dict) -> list[int]:

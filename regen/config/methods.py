@@ -1,6 +1,7 @@
 """Config sections of the methods that bring their own models or terms: PPO's critic, DAPO's
 overlong punishment, the flow-matching samplers and losses (kept apart so regen/config/__init__.py
-stays one screenful per idea); and which modality each method trains."""
+stays one screenful per idea), and the migration of older keys. The methods themselves are
+declared in regen/config/lm_methods.py and flow_methods.py (regen/config/registry.py)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from regen.config.base import Section
-
-# algorithm.name -> the modality it trains ("lm": causal language models, "flow": flow-matching
-# image / video models); dpo is offline (no sampling). regen/config/reads.py says which keys each reads.
-METHODS = {"grpo": "lm", "ppo": "lm", "gspo": "lm", "dpo": "lm", "flow_grpo": "flow", "flow_dppo": "flow",
-           "nft": "flow", "awm": "flow", "dgpo": "flow"}
-# algorithm.clip_low / clip_high when left null: PPO's 0.2 (Schulman 2017); GSPO's sequence-level ratio
-# is a geometric mean, so its paper uses 3e-4 / 4e-4 (Zheng 2025, sec. 5.1); Flow-GRPO's per-step ratio
-# clips at 1e-4 in the paper, 1e-3 learned twice as fast on the shapes task
-# (1e-4 clipped 15-23% of the ratios).
-CLIP_DEFAULTS = {"grpo": (0.2, 0.2), "ppo": (0.2, 0.2), "gspo": (3e-4, 4e-4), "flow_grpo": (1e-3, 1e-3)}
+from regen.config.registry import METHODS
 
 
 class OverlongConfig(Section):
@@ -123,9 +115,10 @@ def migrate(tree: dict) -> dict:
         algo["kl_coef"] = old["kl_coef"]
     if name == "awm" and "awm_kl_coef" in old:
         algo["kl_coef"] = old["awm_kl_coef"]
-    if METHODS.get(name) == "flow":
+    m = METHODS.get(name)
+    if m is not None and m.modality == "flow":
         algo["std_normalize"] = "batch" if old.get("global_std") else "group"
-    if METHODS.get(name) == "flow" and name not in ("flow_grpo", "flow_dppo") and flow.get("sampler") in ("sde", "cps"):
+    if m is not None and m.modality == "flow" and not m.stochastic and flow.get("sampler") in ("sde", "cps"):
         flow.pop("sampler")  # the stochastic step an ODE method never took: today flow.sampler=ode
     if isinstance(algo.get("std_normalize"), bool):
         algo["std_normalize"] = "group" if algo["std_normalize"] else "none"

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from regen.config.methods import METHODS
 from regen.config.reads import readers
+from regen.config.registry import METHODS
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,11 @@ def rows(kind: type[BaseModel], prefix: str = "") -> list[Row]:
             out.extend(rows(ann, key + "."))
             continue
         default = "(required)" if field.is_required() else repr(field.get_default(call_default_factory=True))
+        extra = field.json_schema_extra or {}
+        if extra.get("choices") == "methods":  # algorithm.name: the registered methods, each in a clause
+            out.append(Row(key, " | ".join(repr(n) for n in METHODS), default, f"{field.description} " + ", ".join(
+                f"'{n}' ({m.summary})" for n, m in METHODS.items()) + "."))
+            continue
         out.append(Row(key, type_name(ann), default, field.description or ""))
         section = _optional_section(ann)
         if section is not None:  # its keys, e.g. model.lora.r: set them as model.lora={r: 8, ...}

@@ -1,19 +1,17 @@
-"""Modality adapters: one implementation of the protocol in base.py per kind of model."""
+"""Modality adapters: one implementation of the protocol in base.py per kind of model, each
+registered once with its methods (regen/config/registry.py; the built-in ones in
+regen/config/lm_methods.py and flow_methods.py)."""
 
 from __future__ import annotations
 
 
 def modality_class(cfg):
-    """The adapter of the modality algorithm.name trains (imported lazily: each pulls its models);
-    a joint run (models:) is one modality over its models' adapters."""
+    """The adapter of the modality algorithm.name trains (imported when a run starts: each pulls
+    its models); a joint run (models:) is one modality over its models' adapters."""
     if getattr(cfg, "models", None):
         from regen.modalities.joint import JointModality
 
         return JointModality
-    if cfg.modality == "flow":
-        from regen.modalities.flow import FlowModality
+    from regen.config.registry import MODALITIES, load
 
-        return FlowModality
-    from regen.modalities.lm import LMModality
-
-    return LMModality
+    return load(MODALITIES[cfg.modality].adapter)

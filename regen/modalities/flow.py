@@ -23,19 +23,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from regen.algorithms.flow import (
-    awm_loss,
-    ema_update_,
-    flow_dppo_loss,
-    flow_group_advantages,
-    flow_grpo_loss,
-    gaussian_mean_kl,
-    nft_ema_decay,
-    nft_loss,
-    nft_optimality,
-)
+from regen.algorithms.flow import ema_update_, flow_group_advantages, nft_ema_decay
 from regen.algorithms.flow_preference import binary_advantages, pairwise_advantages
 from regen.algorithms.losses import batch_denominators
+from regen.config.registry import load, method
 from regen.errors import ConfigError
 from regen.modalities.base import Advantages, Modality
 from regen.modalities.flow_copies import (  # noqa: F401  (build_policy: re-exported)
@@ -45,7 +36,6 @@ from regen.modalities.flow_copies import (  # noqa: F401  (build_policy: re-expo
     reload_copy,
     trained_pairs,
 )
-from regen.modalities.flow_dgpo import dgpo_micro_loss, dgpo_weights
 from regen.modalities.flow_eval import EVAL_SEED_OFFSET, to_samples  # noqa: F401  (re-exported)
 from regen.modalities.flow_plan import FlowPlan
 from regen.policies.flow import FlowSample
@@ -54,7 +44,6 @@ from regen.rewards import Sample
 from regen.runtime.dist import Dist
 from regen.samplers.flow import sde_steps, window_start
 
-PER_STEP = ("flow_grpo", "flow_dppo")  # trained on re-scored SDE transitions
 NFT_OLD, WEIGHT_EMA = "nft_old.safetensors", "weight_ema.safetensors"  # in each checkpoint
 
 
@@ -77,7 +66,10 @@ class FlowModality(Modality):
         self.cfg, self.device, self.dist, self.alerts = cfg, device, dist, alerts
         self.gen_device = torch.device("cpu")  # noise is drawn on the CPU (the same on any device)
         self._sde: dict[int, torch.Tensor] = {}  # each planned step's SDE steps (dynamic sampling reuses them)
-        a, f = cfg.algorithm, cfg.flow
+        f = cfg.flow
+        spec = method(cfg.algorithm.name)  # its declaration (regen/config/flow_methods.py), its code:
+        self.method = load(spec.impl)(self)
+        self.per_step, self.unit = self.method.per_step, self.method.unit
         folder = None if state is None else state["folder"]
         self.policy = build_policy(cfg, device, None if state is None or sampler_only else state["model_dir"])
         self.ref = self.ema = self.weight_ema = None
@@ -85,17 +77,13 @@ class FlowModality(Modality):
         if sampler_only:
             self.policy.unet.eval()
             return
-        needs_base = (a.name in ("flow_grpo", "nft") and a.kl_coef > 0) or (
-            a.name == "dgpo" and (a.kl_coef > 0 or f.dgpo_ref == "base"))
-        if needs_base:  # the run's starting model, also after a resume
+        if spec.needs("uses_base", cfg):  # the run's starting model, also after a resume
             if cfg.model.lora is not None:
                 self.ref = BaseView(self.policy.unet)  # the base is the network with its adapter off: no copy
             else:
                 start = self.policy if state is None else build_policy(cfg, device)
                 self.ref = copy.deepcopy(start.unet).eval().requires_grad_(False)
-        slow = a.name == "nft" or (a.name == "awm" and a.kl_coef > 0) or (
-            a.name == "dgpo" and (f.dgpo_ref == "ema" or a.clip_low is not None))
-        self.ema = frozen_copy(self.policy.unet, folder, NFT_OLD, alerts) if slow else None
+        self.ema = frozen_copy(self.policy.unet, folder, NFT_OLD, alerts) if spec.needs("uses_ema", cfg) else None
         self.weight_ema = frozen_copy(self.policy.unet, folder, WEIGHT_EMA, alerts) if f.weight_ema is not None \
             else None
         if cfg.train.gradient_checkpointing:
@@ -107,9 +95,6 @@ class FlowModality(Modality):
                 for net in (self.ref, self.ema, self.weight_ema):
                     if isinstance(net, torch.nn.Module):
                         dist.wrap(net, trainable=False)
-        self.per_step = a.name in PER_STEP
-        if a.name == "dgpo":  # minibatches of whole groups: the weight is the group's
-            self.unit = cfg.rollout.group_size
         self.single_pass = cfg.train.ppo_epochs == 1 and cfg.train.global_minibatch_size == \
             cfg.rollout.global_batch_size
 
@@ -125,7 +110,7 @@ class FlowModality(Modality):
     def trained_steps(self, gen: torch.Generator, step: int) -> torch.Tensor:
         """(S,) bool: the SDE steps of this step's rollouts (none for the ODE methods)."""
         f = self.cfg.flow
-        if self.cfg.algorithm.name not in PER_STEP:
+        if not self.per_step:
             return torch.zeros(f.steps, dtype=torch.bool)
         if f.sde_window is None:
             return sde_steps(f.steps, "all")
@@ -203,14 +188,7 @@ class FlowModality(Modality):
                               else pairwise_advantages(rewards))
             except ValueError as e:  # the reward terms do not give labels of that form
                 raise ConfigError(f"{e} (reward: {', '.join(t.name for t in c.reward)})") from None
-            if a.name == "nft":  # r = the label / the win rate: nft_optimality(C * (2r - 1), C) == r
-                if a.reward_type == "binary":
-                    # each group's good and bad sets weigh alike: |A| = n / 2|G+-| of binary_advantages, 0 in a
-                    # group whose labels agree (no preference). Unweighted, a group of good samples is r = 1 on
-                    # every one and the model refits its own samples, which collapsed held-out adherence to
-                    # 0.365 with 90 % good labels (bench/README, reward forms)
-                    weights = adv.abs()
-                adv = c.flow.adv_clip * (2.0 * torch.where(valid, rewards, 0.5) - 1.0)
+            adv, weights = self.method.from_labels(rewards, adv, valid)
         adv, valid = adv.to(self.device), valid.to(self.device)
         mask = (batch.sde.to(self.device)[None, :] & valid[:, None]).float() if self.per_step \
             else valid[:, None].float()
@@ -219,65 +197,14 @@ class FlowModality(Modality):
     # ------------------------------------------------------------------ 4. update
 
     def minibatch(self, batch: FlowSample, idx, adv: Advantages, fixed: dict, gen) -> FlowMinibatch:
-        # the ODE methods' point of the forward process for each sample, drawn for the whole
-        # minibatch so that micro-batching (and the rank split) never changes it
-        if self.per_step:
-            noise = None
-        elif self.cfg.algorithm.name == "dgpo":  # one t and noise per group: its members compare at one point
-            G = self.unit
-            t = torch.rand(len(idx) // G, generator=gen).repeat_interleave(G)
-            noise = (t, torch.randn((len(idx) // G, *batch.x0.shape[1:]), generator=gen).repeat_interleave(G, 0))
-        else:
-            noise = (torch.rand(len(idx), generator=gen), torch.randn((len(idx), *batch.x0.shape[1:]), generator=gen))
-        mini = FlowMinibatch(batch, idx, adv, fixed, batch_denominators(adv.mask[idx]), noise)
-        micro = self.cfg.train.micro_batch_size
-        if self.cfg.algorithm.name == "dgpo" and (self.dist.on or (micro or len(idx)) < len(idx)):
-            mini.weights = dgpo_weights(self, mini)  # micro-batches or ranks split the groups: weigh them first
+        mini = FlowMinibatch(batch, idx, adv, fixed, batch_denominators(adv.mask[idx]),
+                             self.method.noise(len(idx), batch, gen))
+        self.method.prepare(mini)
         return mini
 
     def micro_loss(self, mini: FlowMinibatch, pos: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """(loss, metrics) of the minibatch rows at positions `pos` for the configured method."""
-        c = self.cfg
-        a, f = c.algorithm, c.flow
-        rows = mini.idx[pos]
-        sub, adv, valid, fixed = mini.batch.select(rows), mini.adv.adv[rows], mini.adv.valid[rows], mini.fixed
-        B = len(rows)
-        if self.per_step:
-            logp, means, stds = self.policy.step_logprobs(sub, f.noise_level, f.sampler, f.guidance)
-            # first pass over a batch: the behaviour policy is the current one (ratio 1, KL 0)
-            old = logp.detach() if "logp" not in fixed else fixed["logp"][rows]
-            mask = mini.adv.mask[rows]
-            if a.name == "flow_grpo":
-                kl = _step_kl(means, _rows(fixed["ref_means"], rows), stds, B) if self.ref is not None else None
-                return flow_grpo_loss(logp, old, adv, mask, a.clip_low, kl, a.kl_coef, mini.denoms,
-                                      clip_high=a.clip_high)
-            now = [None if m is None else m.detach() for m in means]
-            old_means = _rows(fixed["means"], rows) if "means" in fixed else now
-            return flow_dppo_loss(logp, old, adv, mask, _step_kl(now, old_means, stds, B), f.dppo_tau, mini.denoms)
-        # ODE methods: a random point of the forward process for each clean sample
-        x0 = sub.x0
-        t, eps = (z[pos].to(self.device) for z in mini.noise)
-        tt = t.view(B, *[1] * (x0.dim() - 1))
-        xt = (1 - tt) * x0 + tt * eps
-        cond = self.policy.encoder(sub.prompts)
-        v = self.policy.velocity(xt, t, cond)
-        if a.name == "nft":
-            with torch.no_grad():
-                v_old = self.policy.velocity(xt, t, cond, unet=self.ema)
-                v_ref = None if self.ref is None else self.policy.velocity(xt, t, cond, unet=self.ref)
-            r = nft_optimality(adv, f.adv_clip, valid)
-            weights = None if mini.adv.weights is None else mini.adv.weights[rows]  # binary labels: balanced sets
-            return nft_loss(v, v_old, x0, xt, t, r, f.nft_beta, denoms=mini.denoms, v_ref=v_ref, kl_coef=a.kl_coef,
-                            weights=weights)
-        if a.name == "dgpo":
-            return dgpo_micro_loss(self, mini, pos, v, x0, xt, eps, t, cond)
-        weight = None if f.awm_weight == "uniform" else f.awm_weight
-        anchor = None
-        if self.ema is not None:  # kl_coef > 0: the EMA anchor's velocity at the same point
-            with torch.no_grad():
-                anchor = self.policy.velocity(xt, t, cond, unet=self.ema)
-        return awm_loss(v, x0, eps, t, adv, weight=weight, valid=valid, denoms=mini.denoms, v_anchor=anchor,
-                        anchor_coef=a.kl_coef)
+        """(loss, metrics) of the minibatch rows at positions `pos`: the method's loss."""
+        return self.method.loss(mini, pos)
 
     def after_update(self, step: int) -> None:
         """NFT's old policy (AWM's anchor) and the weight EMA move toward the new weights."""
@@ -342,17 +269,3 @@ class FlowModality(Modality):
 
 def _gather_means(means: list, d: Dist) -> list:
     return [None if m is None else d.gather_rows(m) for m in means]
-
-
-def _step_kl(means: list, other: list, stds: list[float], B: int) -> torch.Tensor:
-    """(B, S) exact KL between the Gaussians of each SDE step (0 on ODE steps); `means` and
-    `other` hold (B, *x) per SDE step and None on ODE steps."""
-    kl = torch.zeros(B, len(means), device=next(m for m in means if m is not None).device)
-    for i, (m, o) in enumerate(zip(means, other)):
-        if m is not None:
-            kl[:, i] = gaussian_mean_kl(m, o.to(m.device), stds[i], batch_dims=1)
-    return kl
-
-
-def _rows(means: list, rows) -> list:
-    return [None if m is None else m[rows.to(m.device)] for m in means]

@@ -1,7 +1,7 @@
 """DGPO's update in the flow modality (the math: regen/algorithms/flow_preference.py).
 
-Each minibatch holds whole groups (FlowModality.unit = group size) and its members share one
-point of the forward process (FlowModality.minibatch), so l_theta - l_ref compares like with like
+Each minibatch holds whole groups (DGPO.unit = group size) and its members share one point of
+the forward process (DGPO.noise), so l_theta - l_ref compares like with like
 inside a group. A group's weight needs every member's loss: when one micro-batch holds the whole
 minibatch it comes from that forward pass; when micro-batches or torchrun ranks split the groups
 the weights are computed first, without gradient, over the whole minibatch (dgpo_weights), so
@@ -13,6 +13,29 @@ from __future__ import annotations
 import torch
 
 from regen.algorithms.flow_preference import dgpo_group_weights, dgpo_loss
+from regen.modalities.flow_methods import ODEMethod
+
+
+class DGPO(ODEMethod):
+    """DGPO (Luo et al. 2025): group preferences learned from ODE samples."""
+
+    @property
+    def unit(self) -> int:
+        return self.m.cfg.rollout.group_size  # minibatches of whole groups: the weight is the group's
+
+    def noise(self, n, batch, gen):
+        G = self.unit  # one t and noise per group: its members compare at one point
+        t = torch.rand(n // G, generator=gen).repeat_interleave(G)
+        return t, torch.randn((n // G, *batch.x0.shape[1:]), generator=gen).repeat_interleave(G, 0)
+
+    def prepare(self, mini) -> None:
+        m = self.m
+        micro = m.cfg.train.micro_batch_size
+        if m.dist.on or (micro or len(mini.idx)) < len(mini.idx):
+            mini.weights = dgpo_weights(m, mini)  # micro-batches or ranks split the groups: weigh them first
+
+    def point_loss(self, mini, pos, rows, x0, xt, eps, t, cond, v):
+        return dgpo_micro_loss(self.m, mini, pos, v, x0, xt, eps, t, cond)
 
 
 def fm_loss(v, x0, eps) -> torch.Tensor:

@@ -5,6 +5,7 @@ vLLM support."""
 from __future__ import annotations
 
 from regen.config import RLConfig
+from regen.config.registry import METHODS
 from regen.errors import UserError
 from regen.runtime import dist as rdist
 
@@ -46,14 +47,21 @@ def which_loop(cfg: RLConfig) -> str:
     model = cfg.model.path or cfg.model.init
     if flow_algo and not flow_model:
         raise UserError(f"algorithm.name={cfg.algorithm.name} trains flow-matching image/video models; model "
-                        f"'{model}' is a language model (use grpo, ppo, gspo or dpo)")
+                        f"'{model}' is a language model (use {_of('lm')})")
     if flow_model and not flow_algo:
-        raise UserError(f"model '{model}' is a flow-matching model: use algorithm.name flow_grpo, flow_dppo, nft "
-                        f"or awm, not {cfg.algorithm.name}")
-    if cfg.algorithm.name == "dpo" and cfg.distributed.mode == "ray":
-        raise UserError("distributed.mode=ray: DPO runs in one process or under torchrun (distributed.mode single, "
-                        "torchrun or auto)")
-    return "dpo" if cfg.algorithm.name == "dpo" else "online"
+        raise UserError(f"model '{model}' is a flow-matching model: use algorithm.name {_of('flow')}, not "
+                        f"{cfg.algorithm.name}")
+    offline = not METHODS[cfg.algorithm.name].online
+    if offline and cfg.distributed.mode == "ray":
+        raise UserError(f"distributed.mode=ray: {cfg.algorithm.name} runs in one process or under torchrun "
+                        "(distributed.mode single, torchrun or auto)")
+    return cfg.algorithm.name if offline else "online"
+
+
+def _of(modality: str) -> str:
+    """'grpo, ppo, gspo or dpo': the methods of a modality, for a message."""
+    names = [n for n, m in METHODS.items() if m.modality == modality]
+    return ", ".join(names[:-1]) + " or " + names[-1]
 
 
 def check_placement(cfg: RLConfig, d: rdist.Dist) -> None:
