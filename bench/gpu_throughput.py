@@ -24,7 +24,7 @@ the peak memory the loop reached can be read afterwards:
   (8 bytes per parameter, 4 GB at 494M), at the cost of the two transfers in each step's time.
 - `lm_vllm`: colocated with `rollout.engine=vllm` (`rollout.vllm_memory=0.3`): the in-process vLLM engine
   sleeps (level 1) for each update and wakes to take the new weights. Skipped with a line when vLLM is
-  not installed. Exercises regen/placement/vllm.py, which no CPU test can.
+  not installed. Exercises regen/policies/lm_vllm.py, which no CPU test can.
 - `lm_vllm_ray`: `distributed.mode=ray` with the vLLM engine on one rollout actor that shares the GPU
   (`rollout_resources` num_gpus 0.4), weights synced in bf16 buckets after every update; its row adds the
   median `sync/s` and `sync/mb`. Skipped with a line when vLLM or Ray is not installed.

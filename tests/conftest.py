@@ -177,7 +177,7 @@ def job(request) -> Job:
 
 def nan_at_steps(monkeypatch, steps) -> None:
     """In this process, the loss is NaN at these RL steps (tests/faults.py)."""
-    import regen.train.update as upd
+    import regen.modalities.update as upd
     from tests.faults import nan_update
 
     monkeypatch.setattr(upd, "update", nan_update(upd.update, steps))

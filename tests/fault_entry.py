@@ -18,9 +18,9 @@ import shutil
 import signal
 import sys
 
+import regen.modalities.update as upd
 import regen.runtime.checkpoint as ckpt
 import regen.runtime.metrics as metrics
-import regen.train.update as upd
 from regen.cli import main
 from regen.train.run import Run
 from tests.faults import nan_update

@@ -3,7 +3,7 @@ that must really die (tests/fault_entry.py)."""
 
 
 def nan_update(real_update, steps):
-    """`update` of regen/train/update.py (every modality's optimizer steps go through it) with the
+    """`update` of regen/modalities/update.py (every modality's optimizer steps go through it) with the
     loss NaN at these RL steps (by step, so a resumed run sees the same steps fail)."""
 
     def update(m, *args, **kw):

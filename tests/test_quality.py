@@ -227,7 +227,7 @@ def test_shapes_settings_with_other_prompts_are_refused_before_the_run(flow_base
 def test_clip_score_is_the_cosine_of_the_models_own_embeddings(tiny_clip):
     from transformers import CLIPModel, CLIPProcessor
 
-    from regen.quality.clip import clip_score, load_clip
+    from regen.rewards.clip_model import clip_score, load_clip
 
     media = np.random.default_rng(0).integers(0, 256, (3, 16, 16, 3), dtype=np.uint8)
     prompts = ["a red circle", "a blue square at the top", "green"]

@@ -102,7 +102,7 @@ def test_a_reward_actor_that_died_between_calls_is_replaced_for_the_version_chec
 
 def test_a_run_that_fails_in_its_loop_stops_its_actors(base_model, tmp_path, monkeypatch):
     """Its actors are named: left behind, they kept the next run in the same process from starting."""
-    import regen.train.update as upd
+    import regen.modalities.update as upd
 
     def broken(*a, **k):
         raise RuntimeError("a bug in the update")

@@ -5,8 +5,8 @@ import torch
 
 from regen.cli import main
 from regen.config import ModelConfig, TaskConfig
-from regen.placement.vllm import build_rollout
 from regen.policies.lm import LMPolicy, load_model_and_tokenizer
+from regen.policies.lm_vllm import build_rollout
 
 
 def test_vllm_engine_missing_is_a_clear_error(base_model, tmp_path, capsys):
@@ -64,7 +64,7 @@ def test_the_weights_reach_vllms_model_wherever_its_version_keeps_it():
     import pytest
 
     from regen.errors import UserError
-    from regen.placement.vllm import MODEL_PATHS, push_weights
+    from regen.policies.lm_vllm import MODEL_PATHS, push_weights
 
     weights = {"w": torch.ones(2), "b": torch.zeros(1)}
     for path in MODEL_PATHS:  # each engine generation's place, alone
@@ -92,7 +92,7 @@ SMALL = ["rollout.global_batch_size=16", "rollout.group_size=4", "rollout.max_ne
 
 def test_vllm_in_the_trainers_process_sleeps_for_each_update_and_takes_its_weights(base_model, tmp_path,
                                                                                   stand_in_vllm):
-    """regen/placement/vllm.py run for real against tests/stand_in_vllm (vLLM's interface on the CPU):
+    """regen/policies/lm_vllm.py run for real against tests/stand_in_vllm (vLLM's interface on the CPU):
     colocated, the engine samples each step, sleeps for the update, wakes and takes the new weights."""
     from tests.conftest import export_weights, vllm_engines
 

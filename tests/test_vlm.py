@@ -213,7 +213,8 @@ def test_a_chat_template_places_the_image_and_a_text_model_refuses_images(vlm_ba
     from transformers import AutoProcessor
 
     from regen.config import ModelConfig
-    from regen.data.chat import load_tokenizer, render
+    from regen.data.chat import render
+    from regen.policies.lm_load import load_tokenizer
 
     folder = tmp_path / "chat-vlm"
     import shutil

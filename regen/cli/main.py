@@ -128,7 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    _quiet_libraries()
+    from regen.runtime.quiet import quiet_libraries
+
+    quiet_libraries()
     _user_modules(args)
     try:
         return VERBS[args.verb](args)
@@ -151,24 +153,6 @@ def _user_modules(args) -> None:
     config = getattr(args, "config", None)
     if isinstance(config, str) and Path(config).is_file():
         add_user_path(Path(config).resolve().parent)
-
-
-def _quiet_libraries() -> None:
-    """Our own progress bar is the one to watch; transformers' save/load bars only add noise."""
-    import os
-    import warnings
-
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # peft asks transformers for a deprecated attribute on every LoRA load and merge: the notice
-    # is for peft's authors, not for our users
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-        hf_logging.set_verbosity_error()
-    except ImportError:
-        pass
 
 
 def _load(kind, args):

@@ -3,11 +3,46 @@ and the gates."""
 
 from __future__ import annotations
 
+import operator
+import re
 from typing import Any
 
 from pydantic import Field, field_validator
 
 from regen.config.base import Section
+
+# eval.metrics (computed by regen/quality)
+MEDIA = ("fid", "kid", "precision_recall", "ssim", "psnr", "temporal_ssim", "clip_score")
+TEXT = ("bleu4", "chrf", "exact_match", "length")
+KNOWN = MEDIA + TEXT
+DISTRIBUTION = ("fid", "kid", "precision_recall")  # read eval.features
+ALIGNED = ("ssim", "psnr")  # compare sample i with reference i
+REFUSED = {"lpips": "LPIPS needs torchvision and its pretrained backbone weights, which regen cannot download; "
+                    "use ssim/psnr, or fid/kid with eval.features clip:PATH"}
+
+
+def check_names(names: list[str]) -> None:
+    """ValueError for an unknown or refused metric name (config validation)."""
+    for n in names:
+        if n in REFUSED:
+            raise ValueError(f"eval.metrics: '{n}' is not available: {REFUSED[n]}")
+        if n not in KNOWN:
+            raise ValueError(f"eval.metrics: unknown metric '{n}'; images/videos: {', '.join(MEDIA)}; "
+                             f"text: {', '.join(TEXT)}")
+
+
+# eval.gates (checked by regen/quality/gates.py)
+OPS = {"<=": operator.le, ">=": operator.ge, "<": operator.lt, ">": operator.gt}
+_FORM = re.compile(r"^\s*(<=|>=|<|>)\s*([-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?)\s*$")
+
+
+def parse(metric: str, rule: str | float) -> tuple[str, float]:
+    """('<=', 15.0) from '<= 15'; ValueError naming the gate otherwise."""
+    m = _FORM.match(str(rule))
+    if not m:
+        raise ValueError(f"eval.gates.{metric}: '{rule}' is not a threshold; write it as '<= 15', '>= 0.3', '< 1' "
+                         "or '> 0'")
+    return m.group(1), float(m.group(2))
 
 
 class EvalConfig(Section):
@@ -44,8 +79,6 @@ class EvalConfig(Section):
     @field_validator("metrics")
     @classmethod
     def _known_metrics(cls, v: list[str]) -> list[str]:
-        from regen.quality import check_names
-
         check_names(v)
         if len(set(v)) != len(v):
             raise ValueError(f"eval.metrics: {v} names a metric twice")
@@ -54,8 +87,6 @@ class EvalConfig(Section):
     @field_validator("gates", mode="before")
     @classmethod
     def _gate_rules(cls, v: Any) -> Any:
-        from regen.quality.gates import parse
-
         if isinstance(v, dict):
             v = {str(k): str(r) for k, r in v.items()}
             for k, r in v.items():

@@ -4,15 +4,16 @@ frozen copies it keeps, and its code in regen/modalities/flow_methods.py."""
 
 from __future__ import annotations
 
+from regen.config.eval import ALIGNED, DISTRIBUTION
 from regen.config.registry import Method, Modality, always, register_method, register_modality, when
 
 IMPL = "regen.modalities.flow_methods:"
 MEDIA_QUALITY = (  # what the image / video metrics compare with
     *when("with eval.metrics fid, kid, precision_recall, ssim or psnr",
-          lambda c: any(n in ("fid", "kid", "precision_recall", "ssim", "psnr") for n in c.eval.metrics),
+          lambda c: any(n in DISTRIBUTION + ALIGNED for n in c.eval.metrics),
           "eval.reference"),
     *when("with eval.metrics fid, kid or precision_recall",
-          lambda c: any(n in ("fid", "kid", "precision_recall") for n in c.eval.metrics), "eval.features"),
+          lambda c: any(n in DISTRIBUTION for n in c.eval.metrics), "eval.features"),
     *when("with eval.metrics clip_score", lambda c: "clip_score" in c.eval.metrics, "eval.clip_model"),
 )
 register_modality(Modality("flow", "flow-matching models", "regen.modalities.flow:FlowModality", reads=(

@@ -17,6 +17,14 @@ from regen.errors import ConfigError
 SECRET_WORDS = ("token", "secret", "password", "api_key", "apikey", "credential")
 
 
+def holds_credentials(url: str) -> bool:
+    """`user:password@` or a secret-looking query parameter (token=, api_key=, ...)."""
+    from urllib.parse import parse_qsl, urlsplit
+
+    p = urlsplit(url)
+    return "@" in p.netloc or any(w in k.lower() for k, _ in parse_qsl(p.query) for w in (*SECRET_WORDS, "key"))
+
+
 def parse_overrides(items: list[str]) -> list[tuple[list[str], Any]]:
     """`a.b.c=value` -> (['a','b','c'], value parsed as YAML, so `8` is an int and `[1,2]` a list)."""
     parsed = []

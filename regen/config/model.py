@@ -3,11 +3,14 @@ vision-language model trains."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, model_validator
 
 from regen.config.base import Section
+from regen.errors import UserError
 
 
 class LoraSettings(Section):
@@ -43,3 +46,40 @@ class ModelConfig(Section):
         if (self.path is None) == (self.init is None):
             raise ValueError("set exactly one of model.path (load a model) or model.init (build a fresh one)")
         return self
+
+
+# What kind of model a config names (which modality trains it), read from the folder without loading it.
+FLOW_RECIPES = {"shapes-unet": False, "moving-shapes-unet": True}  # model.init of a flow model -> video?
+PIPELINES = {"StableDiffusion3Pipeline": "sd3", "WanPipeline": "wan"}  # model_index.json _class_name -> kind
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"model.path: cannot read {path}: {e}") from None
+
+
+def model_kind(path) -> str | None:
+    """The kind of flow model at `path` ('sd3', 'wan', or a built-in kind), None when it is
+    not one (a language model, a hub id)."""
+    p = Path(str(path)).expanduser()
+    if (p / "flow_policy.json").is_file():
+        return read_json(p / "flow_policy.json").get("kind", "shapes")
+    if (p / "model_index.json").is_file():
+        name = read_json(p / "model_index.json").get("_class_name")
+        if name not in PIPELINES:
+            raise UserError(
+                f"model.path: '{path}' is a diffusers {name} folder; regen trains "
+                f"{' and '.join(PIPELINES)} folders and its own flow models"
+            )
+        return PIPELINES[name]
+    return None
+
+
+def is_flow_model(model_cfg: ModelConfig) -> bool:
+    """A flow-matching image / video model: a built-in flow recipe, a regen flow folder
+    (flow_policy.json) or a diffusers SD3 / Wan pipeline folder."""
+    if model_cfg.init is not None:
+        return model_cfg.init in FLOW_RECIPES
+    return model_kind(model_cfg.path) is not None

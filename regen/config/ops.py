@@ -84,7 +84,7 @@ class MlflowSettings(Section):
 
     @model_validator(mode="after")
     def _no_credentials(self) -> MlflowSettings:
-        from regen.runtime.loggers import holds_credentials
+        from regen.config.load import holds_credentials
 
         if self.tracking_uri and holds_credentials(self.tracking_uri):  # the message never repeats the secret
             raise ValueError("tracking_uri must not hold credentials: set MLFLOW_TRACKING_TOKEN or "

@@ -43,7 +43,7 @@ QUALITY = [
     *always("eval.metrics", "eval.gates"),
     *when("with eval.metrics set", lambda c: bool(c.eval.metrics), "eval.metric_samples"),
 ]
-# Where a run's process group comes from: torchrun, or a Ray trainer group (regen/placement/ray_trainers.py).
+# Where a run's process group comes from: torchrun, or a Ray trainer group (regen/train/ray_trainers.py).
 PROCESS_GROUP = [
     *when("under torchrun (distributed.mode torchrun or auto) or in a Ray trainer group (distributed.mode=ray with "
            "trainer_workers > 1)", lambda c: torchrun(c) or _trainer_group(c), "distributed.strategy",

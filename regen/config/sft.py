@@ -48,7 +48,7 @@ class SFTConfig(Section):
         """Messages for keys the user set that `regen sft` does not read: of rollout.*, held-out evaluation of a
         language model reads only the sampling settings (SFT_ROLLOUT), a flow model's none; the process group's
         settings outside torchrun (a flow model's: never)."""
-        from regen.policies.flow_load import is_flow_model
+        from regen.config.model import is_flow_model
 
         keys = sorted(k for k in given if k.startswith("rollout."))
         flow = bool(keys or any(k.startswith("distributed.") for k in given)) and is_flow_model(self.model)

@@ -35,18 +35,37 @@ class PrefPair:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-BUILTIN_TASKS = ("arithmetic", "shapes", "moving-shapes", "shapes-vqa", "shapes-paraphrase")
+# builtin:NAME:SPLIT -> what makes its prompts, demonstrations and preference pairs ("module:function" in
+# regen/tasks/, which builds on the row types above): looked up when asked for, not imported here.
+# prompts and pairs take (split, task), demos (task): `task` is the config's task section.
+BUILTIN = {
+    "arithmetic": {"prompts": "regen.tasks.arithmetic:builtin_prompts", "demos": "regen.tasks.arithmetic:builtin_demos",
+                   "pairs": "regen.tasks.arithmetic:builtin_pairs"},
+    "shapes": {"prompts": "regen.tasks.shapes:image_prompts"},  # image prompts, meta = the drawn attributes
+    "moving-shapes": {"prompts": "regen.tasks.shapes:video_prompts"},
+    "shapes-vqa": {"prompts": "regen.tasks.shapes_vqa:builtin_prompts",  # questions about drawn shapes, with images
+                   "demos": "regen.tasks.shapes_vqa:builtin_demos"},
+    # the shapes prompts in words the painter does not know (joint runs)
+    "shapes-paraphrase": {"prompts": "regen.tasks.shapes_paraphrase:builtin_prompts",
+                          "demos": "regen.tasks.shapes_paraphrase:builtin_demos"},
+}
+BUILTIN_TASKS = tuple(BUILTIN)
 # Splits beyond train / test: shapes-paraphrase:phrasings holds the training attribute combinations in
 # the held-out phrasings (regen/tasks/shapes_paraphrase.py).
 EXTRA_SPLITS = {"shapes-paraphrase": ("phrasings",)}
 
 
-def _builtin(spec: str, tasks: tuple[str, ...] = ("arithmetic",)) -> tuple[str, str]:
+def _builtin(spec: str, kind: str):
+    """The maker of `kind` ("prompts", "demos", "pairs") that builtin:NAME:SPLIT names, and the split."""
+    import importlib
+
+    tasks = tuple(n for n, made in BUILTIN.items() if kind in made)
     parts = spec.split(":")
     if len(parts) != 3 or parts[1] not in tasks or parts[2] not in ("train", "test", *EXTRA_SPLITS.get(parts[1], ())):
         known = ", ".join(f"builtin:{t}:{s}" for t in tasks for s in ("train", "test", *EXTRA_SPLITS.get(t, ())))
         raise DataError(f"unknown built-in data '{spec}' (known here: {known})")
-    return parts[1], parts[2]
+    module, _, fn = BUILTIN[parts[1]][kind].partition(":")
+    return getattr(importlib.import_module(module), fn), parts[2]
 
 
 def read_jsonl(path: str, required: tuple[str, ...], where: str, skip_bad: bool = False) -> list[dict]:
@@ -112,20 +131,8 @@ def load_prompts(spec: str, task, where: str, skip_bad: bool = False,
     or 'builtin:arithmetic:SPLIT'. chat: rows may hold 'messages' instead of 'prompt' (rendered
     later by regen.data.chat.render)."""
     if spec.startswith("builtin:"):
-        from regen.tasks import arithmetic, shapes
-
-        name, split = _builtin(spec, BUILTIN_TASKS)
-        if name == "shapes-vqa":  # questions about drawn shapes, with their images
-            from regen.tasks import shapes_vqa
-
-            return shapes_vqa.prompts(split)
-        if name == "shapes-paraphrase":  # the shapes prompts in words the painter does not know (joint runs)
-            from regen.tasks import shapes_paraphrase
-
-            return shapes_paraphrase.prompts(split)
-        if name != "arithmetic":  # image / video prompts, meta = the drawn attributes
-            return shapes.prompts("image" if name == "shapes" else "video", split)
-        return arithmetic.prompts(split, task.digits, task.test_size)
+        make, split = _builtin(spec, "prompts")
+        return make(split, task)
     rows = read_rows(spec, () if chat else ("prompt",), where, skip_bad, columns)
     return _with_images([PromptItem(prompt=r.pop("prompt", None), meta=r) for r in rows], spec, where)
 
@@ -144,20 +151,10 @@ def load_demos(spec: str, task, where: str, skip_bad: bool = False,
                columns: dict[str, str] | None = None) -> list[Demo]:
     """Demonstrations: JSONL rows with 'prompt' and 'completion', or the noisy built-in ones."""
     if spec.startswith("builtin:"):
-        from regen.tasks import arithmetic
-
-        name, split = _builtin(spec, ("arithmetic", "shapes-vqa", "shapes-paraphrase"))
+        make, split = _builtin(spec, "demos")
         if split != "train":
             raise DataError(f"{where}: demonstrations come from the train split, not '{spec}'")
-        if name == "shapes-paraphrase":
-            from regen.tasks import shapes_paraphrase
-
-            return shapes_paraphrase.demonstrations(task.demo_noise, task.known_synonyms)
-        if name == "shapes-vqa":
-            from regen.tasks import shapes_vqa
-
-            return shapes_vqa.demonstrations(task.demo_noise)
-        return arithmetic.demonstrations(task.digits, task.test_size, task.demo_noise)
+        return make(task)
     rows = read_rows(spec, ("prompt", "completion"), where, skip_bad, columns)
     return _with_images([Demo(prompt=r.pop("prompt"), completion=r.pop("completion"), meta=r) for r in rows], spec,
                         where)
@@ -205,9 +202,7 @@ def load_pairs(spec: str, task, where: str, skip_bad: bool = False,
     """Preference pairs: rows with 'prompt', 'chosen', 'rejected' (JSONL or 'hf:DATASET[:SPLIT]'),
     or the built-in arithmetic pairs (chosen = the true sum, rejected = a wrong one)."""
     if spec.startswith("builtin:"):
-        from regen.tasks import arithmetic
-
-        _, split = _builtin(spec)
-        return arithmetic.preference_pairs(split, task.digits, task.test_size)
+        make, split = _builtin(spec, "pairs")
+        return make(split, task)
     rows = read_rows(spec, ("prompt", "chosen", "rejected"), where, skip_bad, columns)
     return [PrefPair(r.pop("prompt"), r.pop("chosen"), r.pop("rejected"), r) for r in rows]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from regen.data import PromptItem
 from regen.errors import DataError, UserError
-from regen.policies.vlm import is_processor
 
 
 def messages_of(row_prompt: str | None, meta: dict, where: str, i: int) -> list[dict]:
@@ -62,28 +61,6 @@ def render(items: list[PromptItem], tokenizer, system_prompt: str | None, where:
     return out
 
 
-def load_tokenizer(model_cfg, task_cfg):
-    """The tokenizer of model.path (a vision-language model's processor), or of a built-in recipe,
-    without loading the weights."""
-    if model_cfg.init == "shapes-vlm":
-        from regen.tasks.shapes_vqa import build_processor
-
-        return build_processor()
-    if model_cfg.init is not None:
-        from regen.tasks.arithmetic import build_tokenizer
-
-        return build_tokenizer()
-    from pathlib import Path
-
-    from transformers import AutoProcessor, AutoTokenizer
-
-    from regen.policies.vlm import is_vlm_folder
-
-    p = Path(model_cfg.path).expanduser()
-    try:
-        if p.exists() and is_vlm_folder(p):
-            return AutoProcessor.from_pretrained(str(p))
-        return AutoTokenizer.from_pretrained(str(p) if p.exists() else model_cfg.path)
-    except (OSError, ValueError) as e:
-        raise UserError(f"model.path: cannot load the tokenizer of '{model_cfg.path}': {str(e).splitlines()[0]}") \
-            from None
+def is_processor(obj) -> bool:
+    """A vision-language model's processor (a tokenizer with an image processor), not a plain tokenizer."""
+    return hasattr(obj, "image_processor") and hasattr(obj, "tokenizer")

@@ -3,7 +3,7 @@
 A modality turns the loop's five stages into work on its models: language models (lm.py:
 token sequences) and flow-matching image / video models (flow.py: denoising trajectories and
 clean samples) implement the same small protocol; a new modality is one more file here. The
-loop, the update (regen/train/update.py), the run's books (regen/train/run.py) and every
+loop, the update (regen/modalities/update.py), the run's books (regen/train/run.py) and every
 placement (regen/placement/) see only these methods:
 
   1. sample     plan(gen, step)          the step's randomness for the whole batch, drawn up front
@@ -15,7 +15,7 @@ placement (regen/placement/) see only these methods:
                 fixed_terms(b)            what stays fixed during the update, computed while scoring
                 behaviour_terms(b, fixed)  the same, from the weights that sampled a late batch (Ray)
   3. advantage  advantages(r, b, fixed)   -> Advantages
-  4. update     update(opt, ...)           the optimizer steps (regen/train/update.py), which ask
+  4. update     update(opt, ...)           the optimizer steps (regen/modalities/update.py), which ask
                 minibatch(...), micro_loss(mini, pos), aux_step(...)
                 after_update(step)        slow copies follow the weights (NFT's old policy, EMA)
   5. sync       the placement pushes `trained`'s tensors (sync_state) to the samplers
@@ -129,9 +129,9 @@ class Modality:
     # ---- 4. update
     def update(self, opt, batch, adv: Advantages, fixed: dict, gen: torch.Generator, step: int, prec=None,
                d=None) -> dict[str, float]:
-        """The step's optimizer steps (regen/train/update.py) with this modality's config; a joint
+        """The step's optimizer steps (regen/modalities/update.py) with this modality's config; a joint
         run updates each of its models with its own."""
-        from regen.train.update import update
+        from regen.modalities.update import update
 
         return update(self, opt, batch, adv, fixed, self.cfg, gen, step, prec, d)
 

@@ -238,7 +238,7 @@ class JointModality(Modality):
 
     def update(self, opt, batch: JointBatch, adv: JointAdvantages, fixed: dict, gen: torch.Generator, step: int,
                prec=None, d=None) -> dict[str, float]:
-        from regen.train.update import update
+        from regen.modalities.update import update
 
         out: dict[str, float] = {}
         for n in self.names:

@@ -85,7 +85,7 @@ class LMModality(Modality):
             self.policy.model.eval()
             self.engine = self.policy
             if vllm:
-                from regen.placement.vllm import VLLMEngine
+                from regen.policies.lm_vllm import VLLMEngine
 
                 self.engine = VLLMEngine(cfg, self.policy)
             return
@@ -111,7 +111,7 @@ class LMModality(Modality):
         self.single_pass = cfg.train.ppo_epochs == 1 and mb == B
         self.engine = self.policy
         if cfg.rollout.engine == "vllm" and cfg.distributed.mode != "ray":
-            from regen.placement.vllm import VLLMEngine
+            from regen.policies.lm_vllm import VLLMEngine
 
             self.engine = VLLMEngine(cfg, self.policy)
 

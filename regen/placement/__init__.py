@@ -5,12 +5,11 @@
   ray.py          RayRollouts / RayReward: rollout and reward actors, weight sync with versions,
                   one-step-ahead sampling (max_staleness), dead actors replaced
   ray_workers.py  the actor classes
-  ray_trainers.py distributed.trainer_workers > 1: a group of trainer actors (one process group,
-                  DDP / FSDP2) placed and restarted by a thin driver
   ray_group.py    a trainer group whose rank 0 drives rollout actors (group_sampling: actors)
-  vllm.py         rollout.engine=vllm: a vLLM engine samples in the trainer's process or on a rollout actor
   checks.py       the combinations refused before anything is written
-Data parallelism itself (DDP / FSDP2 around the trained model, collectives) is regen/runtime/dist.py.
+Data parallelism itself (DDP / FSDP2 around the trained model, collectives) is regen/runtime/dist.py;
+a group of Ray trainer actors (distributed.trainer_workers > 1) is regen/train/ray_trainers.py; the
+vLLM engine (rollout.engine=vllm) is regen/policies/lm_vllm.py.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ class GroupRollouts:
     """The loop's rollout source on every rank of a trainer group with rollout actors."""
 
     def __init__(self, modality, data: EpochSampler, prompts: list[PromptItem], cfg, dist: Dist, version: int):
-        from regen.placement.ray_trainers import GENERATION_ENV
+        from regen.runtime.dist import GENERATION_ENV
 
         self.m, self.data, self.prompts, self.cfg, self.dist = modality, data, prompts, cfg, dist
         self.bound = cfg.distributed.max_staleness

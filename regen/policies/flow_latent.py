@@ -23,34 +23,10 @@ from pathlib import Path
 
 import torch
 
+from regen.config.model import PIPELINES, model_kind  # noqa: F401  (re-exported)
+from regen.config.model import read_json as _json
 from regen.errors import UserError
 from regen.policies.flow import FlowPolicy
-
-PIPELINES = {"StableDiffusion3Pipeline": "sd3", "WanPipeline": "wan"}  # model_index.json _class_name -> kind
-
-
-def _json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"model.path: cannot read {path}: {e}") from None
-
-
-def model_kind(path) -> str | None:
-    """The kind of flow model at `path` ('sd3', 'wan', or a built-in kind), None when it is
-    not one (a language model, a hub id)."""
-    p = Path(str(path)).expanduser()
-    if (p / "flow_policy.json").is_file():
-        return _json(p / "flow_policy.json").get("kind", "shapes")
-    if (p / "model_index.json").is_file():
-        name = _json(p / "model_index.json").get("_class_name")
-        if name not in PIPELINES:
-            raise UserError(
-                f"model.path: '{path}' is a diffusers {name} folder; regen trains "
-                f"{' and '.join(PIPELINES)} folders and its own flow models"
-            )
-        return PIPELINES[name]
-    return None
 
 
 def policy_class(kind: str) -> type[FlowPolicy]:

@@ -5,24 +5,14 @@ from __future__ import annotations
 
 import torch
 
+from regen.config.model import FLOW_RECIPES, is_flow_model  # noqa: F401  (re-exported)
 from regen.policies.flow import FlowPolicy
-
-FLOW_RECIPES = {"shapes-unet": False, "moving-shapes-unet": True}  # name -> video?
-
-
-def is_flow_model(model_cfg) -> bool:
-    if model_cfg.init is not None:
-        return model_cfg.init in FLOW_RECIPES
-    from regen.policies.flow_latent import model_kind
-
-    # a regen flow folder (flow_policy.json), or a diffusers SD3 / Wan pipeline folder
-    return model_kind(model_cfg.path) is not None
 
 
 def load_flow_policy(model_cfg, seed: int, device: torch.device) -> FlowPolicy:
     if model_cfg.init is not None:
         return FlowPolicy.builtin(FLOW_RECIPES[model_cfg.init], seed, device)
-    from regen.policies.flow_latent import model_kind, policy_class
+    from regen.policies.flow_latent import model_kind, policy_class  # noqa: F811
 
     # dispatch on flow_policy.json's kind (or model_index.json's pipeline class): the built-in
     # UNet, SD3 or Wan

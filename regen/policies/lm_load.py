@@ -91,3 +91,26 @@ def apply_lora(model, lora_cfg, adapter_dir: Path | None = None):
         return get_peft_model(model, cfg)
     except ValueError as e:
         raise UserError(f"model.lora: {e}") from None
+
+
+def load_tokenizer(model_cfg, task_cfg):
+    """The tokenizer of model.path (a vision-language model's processor), or of a built-in recipe,
+    without loading the weights."""
+    if model_cfg.init == "shapes-vlm":
+        from regen.tasks.shapes_vqa import build_processor
+
+        return build_processor()
+    if model_cfg.init is not None:
+        from regen.tasks.arithmetic import build_tokenizer
+
+        return build_tokenizer()
+    from transformers import AutoProcessor, AutoTokenizer
+
+    p = Path(model_cfg.path).expanduser()
+    try:
+        if p.exists() and is_vlm_folder(p):
+            return AutoProcessor.from_pretrained(str(p))
+        return AutoTokenizer.from_pretrained(str(p) if p.exists() else model_cfg.path)
+    except (OSError, ValueError) as e:
+        raise UserError(f"model.path: cannot load the tokenizer of '{model_cfg.path}': {str(e).splitlines()[0]}") \
+            from None

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from regen.data.chat import is_processor  # noqa: F401  (re-exported)
 from regen.errors import DataError, UserError
 
 # parameter-name pieces of the vision side (LLaVA: vision_tower; Qwen2-VL: visual; others: vision_model)
@@ -35,10 +36,6 @@ class VisionPrompt:
 
     text: str
     image: np.ndarray
-
-
-def is_processor(obj) -> bool:
-    return hasattr(obj, "image_processor") and hasattr(obj, "tokenizer")
 
 
 def is_vlm_folder(path: Path) -> bool:

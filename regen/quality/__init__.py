@@ -23,25 +23,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from regen.config.eval import (  # noqa: F401  (the names are config's: eval.metrics is checked on load)
+    ALIGNED,
+    DISTRIBUTION,
+    KNOWN,
+    MEDIA,
+    REFUSED,
+    TEXT,
+    check_names,
+)
 from regen.errors import UserError
-
-MEDIA = ("fid", "kid", "precision_recall", "ssim", "psnr", "temporal_ssim", "clip_score")
-TEXT = ("bleu4", "chrf", "exact_match", "length")
-KNOWN = MEDIA + TEXT
-DISTRIBUTION = ("fid", "kid", "precision_recall")  # read eval.features
-ALIGNED = ("ssim", "psnr")  # compare sample i with reference i
-REFUSED = {"lpips": "LPIPS needs torchvision and its pretrained backbone weights, which regen cannot download; "
-                    "use ssim/psnr, or fid/kid with eval.features clip:PATH"}
-
-
-def check_names(names: list[str]) -> None:
-    """ValueError for an unknown or refused metric name (config validation)."""
-    for n in names:
-        if n in REFUSED:
-            raise ValueError(f"eval.metrics: '{n}' is not available: {REFUSED[n]}")
-        if n not in KNOWN:
-            raise ValueError(f"eval.metrics: unknown metric '{n}'; images/videos: {', '.join(MEDIA)}; "
-                             f"text: {', '.join(TEXT)}")
 
 
 def uses_reference(names: list[str]) -> bool:
@@ -73,7 +64,7 @@ class Quality:
 
             check_spec(e.features)
         if "clip_score" in self.names:
-            from regen.quality.clip import load_clip
+            from regen.rewards.clip_model import load_clip
 
             load_clip(e.clip_model, device)  # a wrong path stops the run before it trains
         if uses_reference(self.names) and e.reference not in (None, "shapes", "base"):
@@ -191,7 +182,7 @@ class Quality:
         return out
 
     def _clip_score(self, media: np.ndarray, prompts: list[str]) -> float:
-        from regen.quality.clip import clip_score, load_clip
+        from regen.rewards.clip_model import clip_score, load_clip
 
         return clip_score(*load_clip(self.e.clip_model, self.device), media, prompts)
 

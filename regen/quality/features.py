@@ -62,13 +62,13 @@ class ClipFeatures:
     """CLIP image embeddings from a local folder (CLIPModel + its processor)."""
 
     def __init__(self, path: str, device: str = "cpu"):
-        from regen.quality.clip import load_clip
+        from regen.rewards.clip_model import load_clip
 
         self.name = f"clip:{path}"
         self.model, self.processor = load_clip(path, device, "eval.features")
 
     def __call__(self, media: np.ndarray) -> torch.Tensor:
-        from regen.quality.clip import image_embeddings
+        from regen.rewards.clip_model import image_embeddings
 
         frames = media.reshape(-1, *media.shape[-3:]) if media.ndim == 5 else media
         feats = image_embeddings(self.model, self.processor, frames)

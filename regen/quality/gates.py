@@ -7,20 +7,8 @@ never pass by being misspelt."""
 from __future__ import annotations
 
 import math
-import operator
-import re
 
-OPS = {"<=": operator.le, ">=": operator.ge, "<": operator.lt, ">": operator.gt}
-_FORM = re.compile(r"^\s*(<=|>=|<|>)\s*([-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?)\s*$")
-
-
-def parse(metric: str, rule: str | float) -> tuple[str, float]:
-    """('<=', 15.0) from '<= 15'; ValueError naming the gate otherwise."""
-    m = _FORM.match(str(rule))
-    if not m:
-        raise ValueError(f"eval.gates.{metric}: '{rule}' is not a threshold; write it as '<= 15', '>= 0.3', '< 1' "
-                         "or '> 0'")
-    return m.group(1), float(m.group(2))
+from regen.config.eval import OPS, parse  # noqa: F401  (OPS: re-exported; eval.gates is checked on load)
 
 
 def check(gates: dict[str, str], metrics: dict[str, float]) -> dict[str, float]:

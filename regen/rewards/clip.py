@@ -59,7 +59,7 @@ class _Clip:
     name = "clip"
 
     def __init__(self, model: str, device: str = "cpu", batch_size: int = 64):
-        from regen.quality.clip import load_clip
+        from regen.rewards.clip_model import load_clip
 
         if not model:
             raise ConfigError(f"{self.name}: args.model is required (a local CLIPModel folder)")
@@ -71,7 +71,7 @@ class _Clip:
     def _embed(self, samples: list[Sample], text: bool):
         import torch
 
-        from regen.quality.clip import image_embeddings, text_embeddings
+        from regen.rewards.clip_model import image_embeddings, text_embeddings
 
         idx, frames, counts = _media(samples)
         img = image_embeddings(self.model, self.processor, frames, self.batch_size) if idx else None

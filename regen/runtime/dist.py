@@ -229,7 +229,8 @@ def launched_by_torchrun() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-GROUP_ENV = "REGEN_TRAINER_GROUP"  # set by regen/placement/ray_trainers.py in each trainer actor
+GROUP_ENV = "REGEN_TRAINER_GROUP"  # set by regen/train/ray_trainers.py in each trainer actor
+GENERATION_ENV = "REGEN_GROUP_GENERATION"  # which start of the trainer group this is (0, then each restart)
 
 
 def in_trainer_group() -> bool:

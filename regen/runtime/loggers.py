@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
-from regen.config.load import SECRET_WORDS, redact
+from regen.config.load import SECRET_WORDS, holds_credentials, redact  # noqa: F401  (holds_credentials: re-exported)
 from regen.errors import UserError
 
 STATE_FILE = "loggers.json"
@@ -112,12 +112,6 @@ def public_config(config: Any) -> dict:
         return {}
     tree = config.model_dump(mode="json") if hasattr(config, "model_dump") else config
     return scrub_urls(redact(tree))
-
-
-def holds_credentials(url: str) -> bool:
-    """`user:password@` or a secret-looking query parameter (token=, api_key=, ...)."""
-    p = urlsplit(url)
-    return "@" in p.netloc or any(w in k.lower() for k, _ in parse_qsl(p.query) for w in (*SECRET_WORDS, "key"))
 
 
 def scrub_urls(tree: Any, key: str = "") -> Any:

@@ -12,7 +12,7 @@ _ASKED = threading.Event()  # request_stop: process-wide, like a signal
 
 
 def request_stop() -> None:
-    """What a first SIGTERM does, from any thread (regen/placement/ray_trainers.py's actors)."""
+    """What a first SIGTERM does, from any thread (regen/train/ray_trainers.py's actors)."""
     _ASKED.set()
 
 

@@ -109,3 +109,15 @@ def build_model(seed: int, digits: int = 2):
     torch.manual_seed(seed)
     return GPT2LMHeadModel(config), tok
 
+
+# builtin:arithmetic (regen/data BUILTIN): the config's task section gives the sizes
+def builtin_prompts(split_name: str, task) -> list[PromptItem]:
+    return prompts(split_name, task.digits, task.test_size)
+
+
+def builtin_demos(task) -> list[Demo]:
+    return demonstrations(task.digits, task.test_size, task.demo_noise)
+
+
+def builtin_pairs(split_name: str, task) -> list[PrefPair]:
+    return preference_pairs(split_name, task.digits, task.test_size)

@@ -125,3 +125,12 @@ def draw(metas: list[dict], generator: torch.Generator | None = None, res: int =
 def to_uint8(x: torch.Tensor) -> torch.Tensor:
     """[-1, 1] floats -> uint8 [0, 255], channels last: (..., C, H, W) -> (..., H, W, C)."""
     return ((x.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).movedim(-3, -1)
+
+
+# builtin:shapes / builtin:moving-shapes (regen/data BUILTIN)
+def image_prompts(split_name: str, task) -> list[PromptItem]:
+    return prompts("image", split_name)
+
+
+def video_prompts(split_name: str, task) -> list[PromptItem]:
+    return prompts("video", split_name)

@@ -127,3 +127,12 @@ def build_model(seed: int):
                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     torch.manual_seed(seed)
     return GPT2LMHeadModel(config), tok
+
+
+# builtin:shapes-paraphrase (regen/data BUILTIN)
+def builtin_prompts(split_name: str, task) -> list[PromptItem]:
+    return prompts(split_name)
+
+
+def builtin_demos(task) -> list[Demo]:
+    return demonstrations(task.demo_noise, task.known_synonyms)

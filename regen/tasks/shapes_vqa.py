@@ -99,3 +99,12 @@ def build_model(seed: int, digits: int = 0):
                          vision_feature_select_strategy="default", vision_feature_layer=-1)
     torch.manual_seed(seed)
     return LlavaForConditionalGeneration(config), proc
+
+
+# builtin:shapes-vqa (regen/data BUILTIN)
+def builtin_prompts(split_name: str, task) -> list[PromptItem]:
+    return prompts(split_name)
+
+
+def builtin_demos(task) -> list[Demo]:
+    return demonstrations(task.demo_noise)

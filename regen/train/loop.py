@@ -43,7 +43,7 @@ def train(cfg, resume: bool = False, force: bool = False) -> dict:
 
         return train_dpo(cfg, resume, force)
     if cfg.distributed.mode == "ray" and cfg.distributed.trainer_workers > 1 and not rdist.in_trainer_group():
-        from regen.placement.ray_trainers import train_group
+        from regen.train.ray_trainers import train_group
 
         return train_group(cfg, resume, force)  # N trainer actors run this function as one process group
     run = Run.start(cfg, resume, force)  # inputs checked, run dir ready, models built, state restored

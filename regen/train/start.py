@@ -31,7 +31,7 @@ def run_inputs(cfg: RLConfig) -> tuple[object, list[PromptItem], list[PromptItem
     chat = cfg.data.chat_template and cfg.modality == "lm"
     tok = None
     if chat:  # prompts rendered with the model's own template before anything else is touched
-        from regen.data.chat import load_tokenizer
+        from regen.policies.lm_load import load_tokenizer
 
         tok = load_tokenizer(cfg.model, cfg.task)
 

@@ -1,7 +1,7 @@
 """A stand-in for vLLM with the part of its interface regen uses (`LLM`, `SamplingParams`, the
 model's `load_weights` where vLLM V1 keeps it in-process, sleep / wake_up, reset_prefix_cache,
 `platforms.current_platform`), backed by the transformers model on the CPU. CI has no vLLM (it
-needs CUDA), so the tests put this folder first on the path to run regen/placement/vllm.py for
+needs CUDA), so the tests put this folder first on the path to run regen/policies/lm_vllm.py for
 real: sampling through it, weights pushed into it after each update, sleep and wake around the
 update. It samples with its own seeded generator, as vLLM does, not with regen's uniforms.
 

@@ -26,9 +26,8 @@ import sys
 from pathlib import Path
 
 from regen.errors import RunStopped, UserError
-from regen.runtime.dist import GROUP_ENV
+from regen.runtime.dist import GENERATION_ENV, GROUP_ENV
 
-GENERATION_ENV = "REGEN_GROUP_GENERATION"  # which start of the group this is (0, then each restart)
 DRIVER_ENV = "REGEN_GROUP_DRIVER"  # host:pid:start-time of the driver, which the actors watch
 
 
@@ -54,15 +53,15 @@ class TrainerWorker:
 
     def run(self, tree: dict, env: dict[str, str], cwd: str, resume: bool, force: bool) -> tuple[str, object]:
         """("ok", summary) or ("user" | "stopped" | "interrupted", message); other errors raise."""
-        from regen.cli.main import _quiet_libraries
         from regen.config import RLConfig
+        from regen.runtime.quiet import quiet_libraries
         from regen.train import train
 
         os.environ.update(env)
         _watch_driver(env.get(DRIVER_ENV))
         if Path(cwd).is_dir():  # relative paths of the config mean what they meant to the driver
             os.chdir(cwd)
-        _quiet_libraries()
+        quiet_libraries()
         try:
             return "ok", train(RLConfig.model_validate(tree), resume=resume, force=force)
         except RunStopped as e:
