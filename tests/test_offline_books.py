@@ -206,7 +206,7 @@ def test_sigkill_and_sigterm_then_resume_give_the_uninterrupted_weights(trainer,
 
 @pytest.mark.parametrize("verb,model,keys", [
     ("sft", "model.init=arith-char-gpt2", ["distributed.mode=single", "distributed.backend=gloo"]),
-    ("sft", "model.init=shapes-unet", ["distributed.timeout_s=60"]),
+    ("sft", "model.init=shapes-unet", ["distributed.mode=single", "distributed.timeout_s=60"]),
     ("rm", "model.init=arith-char-gpt2", ["distributed.mode=single", "distributed.timeout_s=60"])])
 def test_process_group_keys_outside_torchrun_are_refused(verb, model, keys, tmp_path, capsys):
     assert main([verb, model, f"run.dir={tmp_path / 'run'}", *keys]) == 2

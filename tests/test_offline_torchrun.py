@@ -1,4 +1,4 @@
-"""`regen sft`, DPO and `regen rm` under `torchrun --nproc_per_node 2` (gloo, CPU) train the weights one process
+"""`regen sft` (a language model and a flow model), DPO and `regen rm` under `torchrun --nproc_per_node 2` (gloo, CPU) train the weights one process
 trains: each rank takes its share of every batch, the losses are shares of the batch's, and the gradients are
 summed over the ranks (regen/offline/books.py). Real processes, a real process group."""
 
@@ -33,6 +33,9 @@ def no_dropout(base_model, tmp_path_factory):
 
 
 def command(kind: str, model, run) -> list[str]:
+    if kind == "flow_sft":  # the built-in shapes model from its seeded initialisation
+        return ["sft", "model.init=shapes-unet", "data.train=builtin:shapes:train", "sft.steps=6",
+                "sft.global_batch_size=8", "checkpoint.every=1", "checkpoint.keep_last=6", f"run.dir={run}", *QUIET]
     own = {"sft": ["sft", "sft.steps=6", "sft.global_batch_size=8"],
            "dpo": ["train", "algorithm.name=dpo", "train.steps=6", "train.global_minibatch_size=8",
                    f"data.train={pairs_file(run)}"],
@@ -41,7 +44,7 @@ def command(kind: str, model, run) -> list[str]:
     return [*own, f"model.path={model}", f"run.dir={run}", *QUIET]
 
 
-@pytest.mark.parametrize("kind", ["sft", "dpo", "rm"])
+@pytest.mark.parametrize("kind", ["sft", "dpo", "rm", "flow_sft"])
 def test_two_processes_train_what_one_trains(kind, no_dropout, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir(), two.mkdir()
@@ -57,7 +60,7 @@ def test_two_processes_train_what_one_trains(kind, no_dropout, tmp_path):
     assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in ref], rel=1e-4, abs=1e-6)
     assert [r["grad_norm"] for r in rows] == pytest.approx([r["grad_norm"] for r in ref], rel=1e-3, abs=1e-6)
     export = two / "run" / "export"
-    if kind == "rm":  # a new scalar head: the movement is measured from the one-process run's first step
+    if kind in ("rm", "flow_sft"):  # a new head / a fresh model: movement measured from the one-process run's step 1
         assert_same_weights(export, one / "run" / "export", one / "run" / "checkpoints" / "step_00000001" / "model")
     else:
         assert_same_weights(export, one / "run" / "export", no_dropout)

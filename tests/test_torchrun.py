@@ -42,12 +42,18 @@ def assert_same_weights(a, b, start):
     them: ||wa - wb|| < 1e-3 ||wb - w0||. (An elementwise bound would be wrong here: GPT-2's key
     biases get a gradient that is zero up to rounding -- softmax ignores a constant shift -- and
     Adam turns that rounding noise into full-size steps in either process.)"""
-    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
-    w0 = load_file(str(start / "model.safetensors"))
-    assert wa.keys() == wb.keys()
+    wa, wb, w0 = _weights(a), _weights(b), _weights(start)
+    assert wa.keys() == wb.keys() and wa
     diff = sum(((wa[k] - wb[k]) ** 2).sum() for k in wa) ** 0.5
     moved = sum(((wb[k] - w0[k]) ** 2).sum() for k in wa) ** 0.5
     assert moved > 1e-3 and diff < 1e-3 * moved, (float(diff), float(moved))
+
+
+def _weights(folder) -> dict:
+    """Every tensor of every safetensors file under `folder` (a flow model keeps its UNet and prompt encoder
+    apart), keyed by file and name."""
+    return {f"{f.relative_to(folder)}:{k}": v for f in sorted(folder.rglob("*.safetensors"))
+            for k, v in load_file(str(f)).items()}
 
 
 @pytest.fixture(scope="module")

@@ -98,7 +98,7 @@ class DistributedConfig(Section):
 
 
 class OfflineDistributedConfig(Section):
-    """distributed of `regen sft` (language models) and `regen rm`: one process, or data parallel under torchrun."""
+    """distributed of `regen sft` and `regen rm`: one process, or data parallel under torchrun."""
 
     mode: Literal["auto", "single", "torchrun"] = Field(
         "auto", description="'single': one process. 'torchrun': data parallel over the processes torchrun started: "
@@ -113,13 +113,11 @@ class OfflineDistributedConfig(Section):
     )
 
 
-def offline_unread(mode: str, given, flow: bool = False) -> list[str]:
+def offline_unread(mode: str, given) -> list[str]:
     """Messages for the distributed.* keys a trainer without sampling would not read: the process group's
-    settings outside torchrun, and every one of them for a flow model's SFT (one process only)."""
+    settings outside torchrun."""
     out = []
     for key in sorted(k for k in given if k in ("distributed.mode", "distributed.backend", "distributed.timeout_s")):
-        if flow and key != "distributed.mode":
-            out.append(f"{key} is not read by `regen sft` of a flow model (it runs in one process)")
-        elif key != "distributed.mode" and mode == "single":
+        if key != "distributed.mode" and mode == "single":
             out.append(f"{key} is read only under torchrun (distributed.mode torchrun or auto)")
     return out

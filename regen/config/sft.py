@@ -47,18 +47,17 @@ class SFTConfig(Section):
     def unread(self, given) -> list[str]:
         """Messages for keys the user set that `regen sft` does not read: of rollout.*, held-out evaluation of a
         language model reads only the sampling settings (SFT_ROLLOUT), a flow model's none; the process group's
-        settings outside torchrun (a flow model's: never)."""
+        settings outside torchrun."""
         from regen.config.model import is_flow_model
 
         keys = sorted(k for k in given if k.startswith("rollout."))
-        flow = bool(keys or any(k.startswith("distributed.") for k in given)) and is_flow_model(self.model)
-        if flow:
+        if keys and is_flow_model(self.model):
             out = [f"{k} is not read by `regen sft` of a flow model (its held-out samples take 20 ODE steps)"
                    for k in keys]
         else:
             out = [f"{k} is not read by `regen sft` (held-out evaluation reads only rollout.{', rollout.'.join(SFT_ROLLOUT)})"
                    for k in keys if k.removeprefix("rollout.").split(".")[0] not in SFT_ROLLOUT]
-        return out + offline_unread(self.distributed.mode, given, flow)
+        return out + offline_unread(self.distributed.mode, given)
 
     @model_validator(mode="after")
     def _no_chat(self) -> SFTConfig:

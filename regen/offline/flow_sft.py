@@ -45,11 +45,6 @@ def sft_flow(cfg: SFTConfig, resume: bool = False, force: bool = False) -> dict:
         raise UserError("eval.reference=base measures drift from the starting model during RL; flow pretraining "
                         "starts from noise: use eval.reference=shapes (the true drawings) or a folder of images")
     quality = Quality(cfg.eval, "flow", cfg.run.seed)  # a wrong metric setting stops before the run dir
-    from regen.runtime.dist import launched_by_torchrun
-
-    if cfg.distributed.mode == "torchrun" or launched_by_torchrun():
-        raise UserError("regen sft of a flow model runs in one process (its noise is drawn for the whole batch); "
-                        "start it with python / regen, not torchrun")
     with OfflineRun.starting(cfg, "flow_sft", device, (cfg.sft.global_batch_size, "sft.global_batch_size"), resume,
                              force) as run:
         setup_torch(cfg.run.threads, cfg.run.seed)
@@ -69,7 +64,10 @@ def sft_flow(cfg: SFTConfig, resume: bool = False, force: bool = False) -> dict:
     s = cfg.sft
 
     def evaluate(step: int) -> dict[str, float]:
-        """Samples for the held-out prompts (fixed noise: comparable between steps), saved as media."""
+        """Samples for the held-out prompts (fixed noise: comparable between steps), saved as media (rank 0:
+        its own generator, so the other ranks' random streams stay where rank 0's are)."""
+        if not run.dist.main:
+            return {}
         gen = torch.Generator().manual_seed(cfg.run.seed + 7919)
         prompts = [shapes.prompt_text(m) for m in held[: cfg.eval.num_prompts]]
         policy.train(False)
@@ -85,8 +83,12 @@ def sft_flow(cfg: SFTConfig, resume: bool = False, force: bool = False) -> dict:
 
     def step_fn(step: int):
         metas = [train[i] for i in run.data.take(s.global_batch_size)]
-        x0 = shapes.draw(metas).to(device)  # the torch RNG: saved in checkpoints, so resume is exact
-        return policy.flow_matching_loss(x0, [shapes.prompt_text(m) for m in metas], None), {}, len(metas)
+        # the whole batch drawn on every rank (the torch RNG: saved in checkpoints, so resume is exact), each rank's
+        # loss its rows' share of the batch's: summed over the ranks, one process's loss and gradient
+        x0 = shapes.draw(metas).to(device)
+        part, frac = run.mine(torch.arange(len(metas)))
+        loss = policy.flow_matching_loss(x0, [shapes.prompt_text(m) for m in metas], None, rows=part)
+        return loss * frac, {}, len(metas)
 
     policy.train(True)
     return run.train("sft", s.steps, s.grad_clip, step_fn, evaluate if held else None, cfg.eval.every)

@@ -208,17 +208,23 @@ class FlowPolicy:
         return x.clamp(-1, 1)
 
     def flow_matching_loss(self, x0: torch.Tensor, prompts: list[str], gen: torch.Generator,
-                           cond_dropout: float = 0.1) -> torch.Tensor:
+                           cond_dropout: float = 0.1, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Rectified-flow pretraining loss (Liu et al. 2023; Lipman et al. 2023):
         sigma ~ U(0, 1), x_sigma = (1 - sigma) x0 + sigma eps, target v = eps - x0, mean squared
         error. A fraction cond_dropout of prompts is replaced by the empty one, so that the
-        model also learns the unconditional field guidance needs."""
+        model also learns the unconditional field guidance needs.
+
+        rows: the batch rows whose loss to compute (a torchrun rank's share); the randomness is
+        drawn for the whole batch all the same, so each row sees the numbers it sees in one
+        process. The mean is over those rows' elements."""
         B = x0.shape[0]
         drop = torch.rand(B, generator=gen) < cond_dropout
         prompts = ["" if d else p for p, d in zip(prompts, drop.tolist())]
         sigma = torch.rand(B, generator=gen).to(self.device)
         eps = torch.randn(x0.shape, generator=gen).to(self.device)
-        s = sigma.view(B, *[1] * (x0.dim() - 1))
+        if rows is not None:
+            x0, sigma, eps, prompts = x0[rows], sigma[rows], eps[rows], [prompts[i] for i in rows.tolist()]
+        s = sigma.view(len(sigma), *[1] * (x0.dim() - 1))
         xt = (1 - s) * x0 + s * eps
         v = self.velocity(xt, sigma, self.encoder(prompts))
         return (v.float() - (eps - x0).float()).pow(2).mean()
