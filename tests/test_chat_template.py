@@ -115,12 +115,104 @@ def test_a_tokenizer_without_a_template_is_one_clear_error(base_model, tmp_path,
     assert not (tmp_path / "r").exists()
 
 
-def test_sft_refuses_the_chat_template():
-    from regen.config import SFTConfig
-    from regen.errors import ConfigError
+CONVERSATION = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"},
+                {"role": "user", "content": "3+4="}, {"role": "assistant", "content": "7"}]
 
-    with pytest.raises(ConfigError, match="chat templates are for `regen train`"):
-        load_config(SFTConfig, None, ["model.init=arith-char-gpt2", "data.chat_template=true"])
+
+def test_sft_trains_on_every_assistant_turn_and_nothing_else(chat_model):
+    """ChatML written out by hand: the labels spell the two assistant turns with their end-of-turn marks, the
+    ids the whole conversation."""
+    from transformers import AutoTokenizer
+
+    from regen.data import Demo
+    from regen.data.chat import render_demos
+    from regen.offline.sft import IGNORE, encode_demos
+
+    tok = AutoTokenizer.from_pretrained(chat_model)
+    demos = render_demos([Demo(None, None, {"messages": CONVERSATION}), Demo("5+5=", "10")], tok, "sum", "data.train")
+    ids, mask, labels = encode_demos(demos, tok, 128)
+    for i, (text, trained) in enumerate([
+        ("<|im_start|>system\nsum<|im_end|>\n<|im_start|>user\n1+1=<|im_end|>\n<|im_start|>assistant\n2<|im_end|>\n"
+         "<|im_start|>user\n3+4=<|im_end|>\n<|im_start|>assistant\n7<|im_end|>\n", "2<|im_end|>\n7<|im_end|>\n"),
+        ("<|im_start|>system\nsum<|im_end|>\n<|im_start|>user\n5+5=<|im_end|>\n<|im_start|>assistant\n10<|im_end|>\n",
+         "10<|im_end|>\n")]):
+        n = int(mask[i].sum())
+        assert ids[i, :n].tolist() == tok(text, add_special_tokens=False)["input_ids"]  # (letters are <unk> here)
+        assert labels[i][labels[i] != IGNORE].tolist() == tok(trained, add_special_tokens=False)["input_ids"]
+        assert (labels[i, :n][labels[i, :n] != IGNORE] == ids[i, :n][labels[i, :n] != IGNORE]).all()
+    assert demos[1].prompt.endswith("<|im_start|>assistant\n") and demos[1].completion == "10<|im_end|>\n"
+
+
+def test_dpo_pairs_answer_the_conversation_as_the_assistants_turn(chat_model):
+    from transformers import AutoTokenizer
+
+    from regen.data import PrefPair
+    from regen.data.chat import render_pairs
+    from regen.offline.dpo import _encode
+    from regen.offline.sft import IGNORE
+
+    tok = AutoTokenizer.from_pretrained(chat_model)
+    [p] = render_pairs([PrefPair(None, "7", "8", {"messages": CONVERSATION[:3]})], tok, None, "data.train")
+    assert p.prompt == ("<|im_start|>user\n1+1=<|im_end|>\n<|im_start|>assistant\n2<|im_end|>\n<|im_start|>user\n"
+                        "3+4=<|im_end|>\n<|im_start|>assistant\n")
+    assert (p.chosen, p.rejected) == ("7<|im_end|>\n", "8<|im_end|>\n")
+    ids, mask, labels = _encode([p], tok, 128, "chosen", "cpu")
+    assert ids[0].tolist() == tok(p.prompt + p.chosen, add_special_tokens=False)["input_ids"]  # no EOS added
+    assert labels[0][labels[0] != IGNORE].tolist() == tok(p.chosen, add_special_tokens=False)["input_ids"]
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused_by_row(chat_model):
+    from transformers import AutoTokenizer
+
+    from regen.data import Demo
+    from regen.data.chat import render_demos
+
+    tok = AutoTokenizer.from_pretrained(chat_model)
+    tok.chat_template = CHATML.replace("{{ m['content'] }}", "{{ m['content'] if loop.last or m['role'] != "
+                                       "'assistant' else '...' }}")  # as templates that drop earlier reasoning
+    with pytest.raises(DataError, match="data.train: row 2: the chat template does not write the conversation turn"):
+        render_demos([Demo("1+1=", "2"), Demo(None, None, {"messages": CONVERSATION})], tok, None, "data.train")
+    with pytest.raises(DataError, match="row 1: the last message is 'user'"):
+        render_demos([Demo(None, None, {"messages": CONVERSATION[:1]})], tok, None, "data.train")
+
+
+def test_chat_sft_and_dpo_run_end_to_end(chat_model, tmp_path):
+    """`regen sft` on conversations learns the assistant's answers; DPO on pairs whose prompt is a conversation
+    prefers the chosen answers; both through the model's own template."""
+    from safetensors.torch import load_file
+
+    demos, pairs = tmp_path / "demos.jsonl", tmp_path / "pairs.jsonl"
+    sums = [(a, b) for a in range(10, 20) for b in range(20, 24)]
+    demos.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"{a}+{b}="},
+                                                      {"role": "assistant", "content": str(a + b)}]}) + "\n"
+                             for a, b in sums))
+    # a preference the tiny model can learn in a few steps: always "1" over "0"
+    pairs.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"{a}+{b}="}], "chosen": "1",
+                                         "rejected": "0", "answer": "1"}) + "\n" for a, b in sums))
+    quiet = ["log.progress=none", "log.tensorboard=false", "data.chat_template=true", "data.system_prompt=add"]
+    assert main(["sft", f"model.path={chat_model}", f"run.dir={tmp_path / 'sft'}", f"data.train={demos}",
+                 "data.eval=null", "sft.steps=30", "sft.global_batch_size=8", "optim.lr=3e-3", *quiet]) == 0
+    loss = [r["loss"] for r in map(json.loads, (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r]
+    assert loss[-1] < 0.5 * loss[0]
+    assert main(["train", "algorithm.name=dpo", f"model.path={tmp_path / 'sft' / 'export'}",
+                 f"run.dir={tmp_path / 'dpo'}", f"data.train={pairs}", f"data.eval={pairs}", "eval.num_prompts=8",
+                 "train.steps=20", "train.global_minibatch_size=8", "optim.lr=3e-3", *quiet]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()]
+    margins = [r["rewards/margin"] for r in rows if "rewards/margin" in r]
+    assert margins[0] == pytest.approx(0.0, abs=1e-6) and margins[-1] > 0.1  # the chosen answers pulled ahead
+    acc = [r["eval/preference_accuracy"] for r in rows if "eval/preference_accuracy" in r]
+    assert acc[-1] == 1.0
+    assert load_file(str(tmp_path / "dpo" / "export" / "model.safetensors"))
+
+
+def test_chat_keys_a_trainer_does_not_read_are_refused(tmp_path, capsys):
+    assert main(["sft", "model.init=arith-char-gpt2", f"run.dir={tmp_path / 'a'}", "data.system_prompt=hi"]) == 2
+    assert "data.system_prompt is read only with data.chat_template=true" in capsys.readouterr().err
+    assert main(["sft", "model.init=shapes-unet", "data.train=builtin:shapes:train", f"run.dir={tmp_path / 'b'}",
+                 "data.chat_template=true"]) == 2
+    assert "data.chat_template is not read by `regen sft` of a flow model" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
 def test_a_template_that_renders_the_plain_prompt_gives_the_plain_run(base_model, tmp_path):

@@ -1,6 +1,7 @@
-"""`regen sft` (a language model and a flow model), DPO and `regen rm` under `torchrun --nproc_per_node 2` (gloo, CPU) train the weights one process
-trains: each rank takes its share of every batch, the losses are shares of the batch's, and the gradients are
-summed over the ranks (regen/offline/books.py). Real processes, a real process group."""
+"""`regen sft` (a language model and a flow model), DPO and `regen rm` under `torchrun --nproc_per_node 2`
+(gloo, CPU) train the weights one process trains: each rank takes its share of every batch, the losses are
+shares of the batch's, and the gradients are summed over the ranks (regen/offline/books.py). Real processes, a
+real process group."""
 
 import json
 import os

@@ -70,7 +70,10 @@ class DataConfig(Section):
     chat_template: bool = Field(
         False, description="Language models: render each prompt with the tokenizer's chat template (a user turn, or "
         "the row's 'messages' list of {role, content}) and add_generation_prompt; the completion is the assistant "
-        "turn, ended by EOS or the model's end-of-turn token (generation_config eos ids, rollout.stop_tokens).")
+        "turn, ended by EOS or the model's end-of-turn token (generation_config eos ids, rollout.stop_tokens). "
+        "`regen sft`: each row a conversation ('messages' ending in an assistant turn, or prompt + completion), "
+        "trained on its assistant turns only. DPO: the prompt (or 'messages') rendered so, chosen and rejected as "
+        "the assistant's turn.")
     system_prompt: str | None = Field(
         None, description="With data.chat_template: a system turn put first in every prompt that has none.")
     on_bad_line: Literal["error", "skip"] = Field(

@@ -55,4 +55,6 @@ register_method(Method(
                 "health.stall_alert_s", "health.webhook_url", "distributed.mode", "mirror"),
         *when("under torchrun (distributed.mode torchrun or auto)", torchrun, "distributed.backend",
               "distributed.timeout_s"),
+        *always("data.chat_template"),
+        *when("with data.chat_template=true", lambda c: c.data.chat_template, "data.system_prompt"),
         *QUALITY)))

@@ -104,7 +104,7 @@ WHY = {
     "eval.reference": "a language model's text metrics compare with each held-out row's 'reference' (or 'answer')",
     "eval.features": "it is the feature space of the image / video metrics fid, kid and precision_recall",
     "eval.clip_model": "it is the CLIP model of the image / video metric clip_score",
-    "data.chat_template": "it renders language-model prompts (DPO's pairs are scored as written)",
+    "data.chat_template": "it renders language-model prompts",
     "data.system_prompt": "it is part of data.chat_template",
     "task.demo_noise": "corrupted demonstrations are for `regen sft`; RL prompts carry the true answers",
     "task.known_synonyms": "it shapes the demonstrations of `regen sft`; RL prompts carry the true answers",

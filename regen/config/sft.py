@@ -51,19 +51,19 @@ class SFTConfig(Section):
         from regen.config.model import is_flow_model
 
         keys = sorted(k for k in given if k.startswith("rollout."))
-        if keys and is_flow_model(self.model):
+        chat = sorted(k for k in given if k in ("data.chat_template", "data.system_prompt"))
+        if (keys or chat) and is_flow_model(self.model):
             out = [f"{k} is not read by `regen sft` of a flow model (its held-out samples take 20 ODE steps)"
-                   for k in keys]
+                   for k in keys] + [f"{k} is not read by `regen sft` of a flow model (it renders no text)" for k in chat]
         else:
             out = [f"{k} is not read by `regen sft` (held-out evaluation reads only rollout.{', rollout.'.join(SFT_ROLLOUT)})"
                    for k in keys if k.removeprefix("rollout.").split(".")[0] not in SFT_ROLLOUT]
+            if "data.system_prompt" in chat and not self.data.chat_template:
+                out.append("data.system_prompt is read only with data.chat_template=true")
         return out + offline_unread(self.distributed.mode, given)
 
     @model_validator(mode="after")
-    def _no_chat(self) -> SFTConfig:
-        if self.data.chat_template or self.data.system_prompt is not None:
-            raise ValueError("data.chat_template / data.system_prompt: `regen sft` trains on the rows' text as "
-                             "written; chat templates are for `regen train` (render the demonstrations beforehand)")
+    def _synonyms(self) -> SFTConfig:
         if self.task.known_synonyms and not str(self.data.train).startswith("builtin:shapes-paraphrase"):
             raise ValueError(f"task.known_synonyms={self.task.known_synonyms}: it shapes the demonstrations of "
                              f"builtin:shapes-paraphrase:train, not data.train={self.data.train}")

@@ -25,6 +25,9 @@ class Demo:
     completion: str
     meta: dict[str, Any] = field(default_factory=dict)
     image: Any = None  # as PromptItem.image
+    # data.chat_template: the conversation as the template writes it, (text, trained) pieces in order (trained: an
+    # assistant turn and its end-of-turn marks); the sequence is their concatenation, tokenised piece by piece
+    segments: list[tuple[str, bool]] | None = None
 
 
 @dataclass
@@ -148,16 +151,17 @@ def _with_images(items: list, spec: str, where: str) -> list:
 
 
 def load_demos(spec: str, task, where: str, skip_bad: bool = False,
-               columns: dict[str, str] | None = None) -> list[Demo]:
-    """Demonstrations: JSONL rows with 'prompt' and 'completion', or the noisy built-in ones."""
+               columns: dict[str, str] | None = None, chat: bool = False) -> list[Demo]:
+    """Demonstrations: JSONL rows with 'prompt' and 'completion', or the noisy built-in ones. chat: rows may hold
+    'messages' (a conversation ending in an assistant turn) instead (rendered by regen.data.chat.render_demos)."""
     if spec.startswith("builtin:"):
         make, split = _builtin(spec, "demos")
         if split != "train":
             raise DataError(f"{where}: demonstrations come from the train split, not '{spec}'")
         return make(task)
-    rows = read_rows(spec, ("prompt", "completion"), where, skip_bad, columns)
-    return _with_images([Demo(prompt=r.pop("prompt"), completion=r.pop("completion"), meta=r) for r in rows], spec,
-                        where)
+    rows = read_rows(spec, () if chat else ("prompt", "completion"), where, skip_bad, columns)
+    return _with_images([Demo(prompt=r.pop("prompt", None), completion=r.pop("completion", None), meta=r)
+                         for r in rows], spec, where)
 
 
 class EpochSampler:
@@ -198,11 +202,13 @@ class EpochSampler:
 
 
 def load_pairs(spec: str, task, where: str, skip_bad: bool = False,
-               columns: dict[str, str] | None = None) -> list[PrefPair]:
+               columns: dict[str, str] | None = None, chat: bool = False) -> list[PrefPair]:
     """Preference pairs: rows with 'prompt', 'chosen', 'rejected' (JSONL or 'hf:DATASET[:SPLIT]'),
-    or the built-in arithmetic pairs (chosen = the true sum, rejected = a wrong one)."""
+    or the built-in arithmetic pairs (chosen = the true sum, rejected = a wrong one). chat: 'messages'
+    (the conversation the two responses answer) may stand for 'prompt' (regen.data.chat.render_pairs)."""
     if spec.startswith("builtin:"):
         make, split = _builtin(spec, "pairs")
         return make(split, task)
-    rows = read_rows(spec, ("prompt", "chosen", "rejected"), where, skip_bad, columns)
-    return [PrefPair(r.pop("prompt"), r.pop("chosen"), r.pop("rejected"), r) for r in rows]
+    rows = read_rows(spec, ("chosen", "rejected") if chat else ("prompt", "chosen", "rejected"), where, skip_bad,
+                     columns)
+    return [PrefPair(r.pop("prompt", None), r.pop("chosen"), r.pop("rejected"), r) for r in rows]

@@ -44,7 +44,9 @@ def _all_logprobs(model, enc, batch: int = 256) -> torch.Tensor:
 
 
 def _encode(pairs, tok, max_len, which: str, device):
-    demos = [Demo(p.prompt, getattr(p, which), p.meta) for p in pairs]
+    # chat-rendered pairs (meta holds the conversation): the template wrote the special tokens and the end of turn
+    demos = [Demo(p.prompt, getattr(p, which), p.meta, segments=[(p.prompt, False), (getattr(p, which), True)]
+                  if "messages" in p.meta else None) for p in pairs]
     return tuple(t.to(device) for t in encode_demos(demos, tok, max_len))
 
 
@@ -58,10 +60,11 @@ def train_dpo(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
     a, t = cfg.algorithm, cfg.train
     device = resolve_device(cfg.run.device)
     require_loggers(cfg.log)  # W&B / MLflow installed when turned on
-    skip = cfg.data.on_bad_line == "skip"
-    pairs = load_pairs(cfg.data.train, cfg.task, "data.train", skip, cfg.data.columns)
-    held_pairs = load_pairs(cfg.data.eval, cfg.task, "data.eval", skip, cfg.data.columns) if cfg.data.eval else []
-    eval_items = load_prompts(cfg.data.eval, cfg.task, "data.eval", skip, cfg.data.columns) if cfg.data.eval else []
+    skip, chat = cfg.data.on_bad_line == "skip", cfg.data.chat_template
+    pairs = load_pairs(cfg.data.train, cfg.task, "data.train", skip, cfg.data.columns, chat)
+    held_pairs = load_pairs(cfg.data.eval, cfg.task, "data.eval", skip, cfg.data.columns, chat) if cfg.data.eval else []
+    eval_items = load_prompts(cfg.data.eval, cfg.task, "data.eval", skip, cfg.data.columns, chat) \
+        if cfg.data.eval else []
     quality = Quality(cfg.eval, "lm", cfg.run.seed)  # a wrong metric setting stops before the run dir
     setup_torch(cfg.run.threads, cfg.run.seed)
     start, tok = load_model_and_tokenizer(cfg.model, cfg.task, cfg.run.seed)
@@ -69,6 +72,12 @@ def train_dpo(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
         raise UserError("algorithm.name=dpo with a vision-language model: preference pairs with images are not "
                         "supported yet; train it with grpo / gspo on prompts with images")
     check_trainable(start, cfg.model)  # model.freeze_vision: refused on a text model
+    if chat:  # the pairs as the model's own template writes them, before the run directory is touched
+        from regen.data.chat import render, render_pairs
+
+        pairs, held_pairs = (render_pairs(p, tok, cfg.data.system_prompt, w)
+                             for p, w in ((pairs, "data.train"), (held_pairs, "data.eval")))
+        eval_items = render(eval_items, tok, cfg.data.system_prompt, "data.eval")
     with OfflineRun.starting(cfg, "dpo", device, (t.global_minibatch_size, "train.global_minibatch_size"), resume,
                              force) as run:
         state = run.state

@@ -1,6 +1,7 @@
 """Supervised fine-tuning on prompt/completion demonstrations (cross-entropy on the
-completion and its EOS only). For the built-in task it trains the RL base from random init
-on imperfect demonstrations."""
+completion and its EOS only) or, with data.chat_template, on conversations rendered by the
+model's own chat template (cross-entropy on the assistant turns only; regen/data/chat.py). For
+the built-in task it trains the RL base from random init on imperfect demonstrations."""
 
 from __future__ import annotations
 
@@ -26,27 +27,41 @@ IGNORE = -100
 def encode_demos(demos: list[Demo], tok, max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded (N, L) input ids, attention mask, and labels that are IGNORE on the prompt.
     `tok` may be a vision-language model's processor: the prompts' image tokens are then expanded
-    to the model's image positions (their pixels: `demo_vision`)."""
-    if is_processor(tok):  # one batched call; each row's left padding dropped again
-        text, _ = encode(tok, [VisionPrompt(d.prompt, _image_of(d)) for d in demos], True, "cpu")
-        p_ids = [ids[m.bool()].tolist() for ids, m in zip(text["input_ids"], text["attention_mask"])]
-        tok = tok.tokenizer
+    to the model's image positions (their pixels: `demo_vision`). A chat-rendered demonstration
+    (Demo.segments) is its pieces tokenised in order without adding special tokens (the template
+    wrote them), labelled on its assistant turns only; the others are prompt + completion + EOS."""
+    if any(d.segments is not None for d in demos):
+        rows = [_segments(d.segments, tok) for d in demos]
     else:
-        p_ids = tok([d.prompt for d in demos], add_special_tokens=True)["input_ids"]
-    c_ids = tok([d.completion for d in demos], add_special_tokens=False)["input_ids"]
-    rows = [(p, c + [tok.eos_token_id]) for p, c in zip(p_ids, c_ids)]
-    L = max(len(p) + len(c) for p, c in rows)
+        if is_processor(tok):  # one batched call; each row's left padding dropped again
+            text, _ = encode(tok, [VisionPrompt(d.prompt, _image_of(d)) for d in demos], True, "cpu")
+            p_ids = [ids[m.bool()].tolist() for ids, m in zip(text["input_ids"], text["attention_mask"])]
+            tok = tok.tokenizer
+        else:
+            p_ids = tok([d.prompt for d in demos], add_special_tokens=True)["input_ids"]
+        c_ids = tok([d.completion for d in demos], add_special_tokens=False)["input_ids"]
+        rows = [(p + c + [tok.eos_token_id], [IGNORE] * len(p) + c + [tok.eos_token_id]) for p, c in zip(p_ids, c_ids)]
+    L = max(len(seq) for seq, _ in rows)
     if L > max_len:
         raise DataError(f"data.train: a demonstration is {L} tokens long, more than the model's {max_len} positions")
     ids = torch.full((len(rows), L), tok.pad_token_id)
     mask = torch.zeros((len(rows), L), dtype=torch.long)
     labels = torch.full((len(rows), L), IGNORE)
-    for i, (p, c) in enumerate(rows):
-        seq = p + c
+    for i, (seq, lab) in enumerate(rows):
         ids[i, : len(seq)] = torch.tensor(seq)
         mask[i, : len(seq)] = 1
-        labels[i, len(p) : len(seq)] = torch.tensor(c)
+        labels[i, : len(seq)] = torch.tensor(lab)
     return ids, mask, labels
+
+
+def _segments(pieces: list[tuple[str, bool]], tok) -> tuple[list[int], list[int]]:
+    """(ids, labels) of a chat-rendered demonstration: labels are the ids on its trained pieces."""
+    ids, labels = [], []
+    for text, trained in pieces:
+        t = tok(text, add_special_tokens=False)["input_ids"]
+        ids += t
+        labels += t if trained else [IGNORE] * len(t)
+    return ids, labels
 
 
 def _image_of(d: Demo):
@@ -65,9 +80,17 @@ def demo_vision(demos: list[Demo], tok, device) -> dict:
 def sft(cfg: SFTConfig, resume: bool = False, force: bool = False) -> dict:
     device = resolve_device(cfg.run.device)
     require_loggers(cfg.log)  # W&B / MLflow installed when turned on
-    demos = load_demos(cfg.data.train, cfg.task, "data.train", cfg.data.on_bad_line == "skip", cfg.data.columns)
-    skip_bad = cfg.data.on_bad_line == "skip"
-    eval_items = load_prompts(cfg.data.eval, cfg.task, "data.eval", skip_bad, cfg.data.columns) if cfg.data.eval else []
+    skip_bad, chat = cfg.data.on_bad_line == "skip", cfg.data.chat_template
+    demos = load_demos(cfg.data.train, cfg.task, "data.train", skip_bad, cfg.data.columns, chat)
+    eval_items = load_prompts(cfg.data.eval, cfg.task, "data.eval", skip_bad, cfg.data.columns, chat) \
+        if cfg.data.eval else []
+    if chat:  # rendered with the model's own template before the run directory is touched
+        from regen.data.chat import render, render_demos
+        from regen.policies.lm_load import load_tokenizer
+
+        tok = load_tokenizer(cfg.model, cfg.task)
+        demos = render_demos(demos, tok, cfg.data.system_prompt, "data.train")
+        eval_items = render(eval_items, tok, cfg.data.system_prompt, "data.eval")
     quality = Quality(cfg.eval, "lm", cfg.run.seed)  # a wrong metric setting stops before the run dir
     with OfflineRun.starting(cfg, "sft", device, (cfg.sft.global_batch_size, "sft.global_batch_size"), resume,
                              force) as run:
