@@ -131,6 +131,28 @@ def test_resume_refuses_a_changed_setting_and_force_resumes(trainer, tmp_path, c
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["lr"] == 2e-4
 
 
+def test_a_run_directory_held_by_a_live_process_is_refused_and_left_as_it_was(trainer, tmp_path, capsys):
+    """A second trainer on a run directory whose run.lock a live process holds (a real second process)."""
+    cmd, kind = trainer
+    run = tmp_path / "run"
+    assert main(cmd(run, f"{STEPS[kind]}=1")) == 0
+    before = tree_digest(run)
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from regen.runtime.rundir import lock; lock(Path(sys.argv[1])); print('held', "
+                               "flush=True); time.sleep(600)", str(run)], cwd=Path(__file__).resolve().parents[1],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        capsys.readouterr()
+        assert main(cmd(run, f"{STEPS[kind]}=2")) == 2
+        assert f"in use by process {holder.pid}" in capsys.readouterr().err
+        assert {k: v for k, v in tree_digest(run).items() if k != "run.lock"} == \
+            {k: v for k, v in before.items() if k != "run.lock"}
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+
+
 @pytest.mark.parametrize("first,second", [("grpo", "sft"), ("sft", "grpo"), ("sft", "dpo"), ("sft", "rm"),
                                           ("rm", "sft")])
 def test_another_trainers_run_directory_is_refused_and_left_as_it_was(first, second, base_model, tmp_path, capsys):

@@ -45,15 +45,21 @@ def command(kind: str, model, run) -> list[str]:
     return [*own, f"model.path={model}", f"run.dir={run}", *QUIET]
 
 
-@pytest.mark.parametrize("kind", ["sft", "dpo", "rm", "flow_sft"])
-def test_two_processes_train_what_one_trains(kind, no_dropout, tmp_path):
+def torchrun2(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "regen", *args, "distributed.mode=torchrun"], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+
+
+@pytest.mark.parametrize("kind,strategy", [("sft", "ddp"), ("sft", "fsdp"), ("dpo", "ddp"), ("dpo", "fsdp"),
+                                           ("rm", "ddp"), ("rm", "fsdp"), ("flow_sft", "ddp")])
+def test_two_processes_train_what_one_trains(kind, strategy, no_dropout, tmp_path):
+    """DDP: the gradients summed in one all-reduce; FSDP2: parameters, gradients and optimizer state sharded, the
+    checkpoints and export/ gathered into the single-process form."""
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir(), two.mkdir()
     assert main(command(kind, no_dropout, one / "run")) == 0
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          "-m", "regen", *command(kind, no_dropout, two / "run"), "distributed.mode=torchrun"],
-                         capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    out = torchrun2([*command(kind, no_dropout, two / "run"), f"distributed.strategy={strategy}"])
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("model exported to") == 1  # rank 0 speaks for the run
     rows, ref = read_jsonl(two / "run" / "metrics.jsonl"), read_jsonl(one / "run" / "metrics.jsonl")
@@ -65,6 +71,28 @@ def test_two_processes_train_what_one_trains(kind, no_dropout, tmp_path):
         assert_same_weights(export, one / "run" / "export", one / "run" / "checkpoints" / "step_00000001" / "model")
     else:
         assert_same_weights(export, one / "run" / "export", no_dropout)
+
+
+def test_an_fsdp_checkpoint_resumes_in_one_process_as_if_never_sharded(no_dropout, tmp_path):
+    """3 steps sharded over 2 processes, then 3 more in one process from its checkpoint: the weights of 6 steps
+    in one process (the gathered optimizer state and the data position carried over)."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert main(command("sft", no_dropout, one)) == 0
+    out = torchrun2([*command("sft", no_dropout, two), "sft.steps=3", "distributed.strategy=fsdp"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert main([*command("sft", no_dropout, two), "--resume"]) == 0
+    assert_same_weights(two / "export", one / "export", no_dropout)
+    rows = read_jsonl(two / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 7))
+
+
+def test_fsdp_is_refused_where_it_does_not_shard(no_dropout, tmp_path):
+    out = torchrun2([*command("flow_sft", None, tmp_path / "a"), "distributed.strategy=fsdp"], timeout=300)
+    assert out.returncode != 0 and "regen sft of a flow model is data parallel with ddp only" in out.stderr
+    lora = [*command("dpo", no_dropout, tmp_path / "b"), "model.lora={r: 4}", "distributed.strategy=fsdp"]
+    out = torchrun2(lora, timeout=300)
+    assert out.returncode != 0 and "a LoRA adapter or a vision-language model trains data parallel" in out.stderr
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
 def test_an_uneven_split_is_refused_before_the_run_directory(no_dropout, tmp_path):

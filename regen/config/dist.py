@@ -105,6 +105,13 @@ class OfflineDistributedConfig(Section):
         "each holds the whole model, takes its share of every batch, and the gradients are summed over the "
         "processes, so N processes train what one trains. 'auto': torchrun when started by torchrun, else single."
     )
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="torchrun: 'ddp' (each rank holds the whole model; the gradients are summed in one "
+        "all-reduce) or 'fsdp' (FSDP2 fully_shard: parameters, gradients and optimizer state sharded over the ranks, "
+        "for models too big to replicate; checkpoints and export/ are gathered, single-process form). fsdp: "
+        "language and reward models without LoRA; a flow model's SFT and vision-language models are data parallel "
+        "with ddp only."
+    )
     backend: Literal["auto", "nccl", "gloo"] = Field(
         "auto", description="torchrun: process-group backend; 'auto' = nccl on CUDA, gloo on CPU."
     )
@@ -117,7 +124,8 @@ def offline_unread(mode: str, given) -> list[str]:
     """Messages for the distributed.* keys a trainer without sampling would not read: the process group's
     settings outside torchrun."""
     out = []
-    for key in sorted(k for k in given if k in ("distributed.mode", "distributed.backend", "distributed.timeout_s")):
+    keys = ("distributed.mode", "distributed.strategy", "distributed.backend", "distributed.timeout_s")
+    for key in sorted(k for k in given if k in keys):
         if key != "distributed.mode" and mode == "single":
             out.append(f"{key} is read only under torchrun (distributed.mode torchrun or auto)")
     return out

@@ -53,8 +53,8 @@ register_method(Method(
                 "rollout.temperature", "rollout.top_p", "rollout.max_new_tokens", "checkpoint", "log",
                 "health.rollback_after_nonfinite", "health.rollback_lr_factor", "health.max_rollbacks",
                 "health.stall_alert_s", "health.webhook_url", "distributed.mode", "mirror"),
-        *when("under torchrun (distributed.mode torchrun or auto)", torchrun, "distributed.backend",
-              "distributed.timeout_s"),
+        *when("under torchrun (distributed.mode torchrun or auto)", torchrun, "distributed.strategy",
+              "distributed.backend", "distributed.timeout_s"),
         *always("data.chat_template"),
         *when("with data.chat_template=true", lambda c: c.data.chat_template, "data.system_prompt"),
         *QUALITY)))

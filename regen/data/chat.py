@@ -21,12 +21,16 @@ def messages_of(row_prompt: str | None, meta: dict, where: str, i: int) -> list[
         if not isinstance(row_prompt, str):
             raise DataError(f"{where}: row {i + 1} has neither 'prompt' (text) nor 'messages'")
         return [{"role": "user", "content": row_prompt}]
+    return _checked(msgs, "user", "it must be the user turn the model answers", where, i)
+
+
+def _checked(msgs, last: str, why: str, where: str, i: int) -> list[dict]:
+    """A row's 'messages' as plain {role, content} dicts, ending with a `last` turn; DataError naming the row."""
     if not isinstance(msgs, list) or not msgs or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs):
         raise DataError(f"{where}: row {i + 1}: 'messages' must be a non-empty list of {{role, content}} strings")
-    if msgs[-1]["role"] != "user":
-        raise DataError(f"{where}: row {i + 1}: the last message is '{msgs[-1]['role']}'; it must be the user turn "
-                        "the model answers")
+    if msgs[-1]["role"] != last:
+        raise DataError(f"{where}: row {i + 1}: the last message is '{msgs[-1]['role']}'; {why}")
     return [{"role": m["role"], "content": m["content"]} for m in msgs]
 
 
@@ -80,13 +84,7 @@ def _conversation(d, where: str, i: int) -> list[dict]:
         if not isinstance(d.prompt, str) or not isinstance(d.completion, str):
             raise DataError(f"{where}: row {i + 1} has neither 'prompt' and 'completion' (text) nor 'messages'")
         return [{"role": "user", "content": d.prompt}, {"role": "assistant", "content": d.completion}]
-    if not isinstance(msgs, list) or not msgs or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs):
-        raise DataError(f"{where}: row {i + 1}: 'messages' must be a non-empty list of {{role, content}} strings")
-    if msgs[-1]["role"] != "assistant":
-        raise DataError(f"{where}: row {i + 1}: the last message is '{msgs[-1]['role']}'; a demonstration ends with "
-                        "the assistant turn the model learns to write")
-    return [{"role": m["role"], "content": m["content"]} for m in msgs]
+    return _checked(msgs, "assistant", "a demonstration ends with the assistant turn the model learns to write", where, i)
 
 
 def render_demos(demos: list, tokenizer, system_prompt: str | None, where: str) -> list:

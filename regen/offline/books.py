@@ -62,13 +62,14 @@ def offline_changes(cfg, saved: dict) -> list[str]:
 @dataclass
 class Model:
     """What the books need of a trainer's model: its trained parameters, how to write it into a folder (checkpoints
-    and export/), and how to reload its weights from a checkpoint's model/ folder (None: the starting model) as a
-    module whose state_dict is the trained module's (a rollback)."""
+    and export/; the second argument: the gathered weights under FSDP2, else None), and how to reload its weights
+    from a checkpoint's model/ folder (None: the starting model) as a module whose state_dict is the trained
+    module's (a rollback)."""
 
     module: torch.nn.Module
-    save: Callable[[Path], None]
+    save: Callable[[Path, dict | None], None]
     reload: Callable[[Path | None], torch.nn.Module]
-    export: Callable[[Path], None] | None = None  # default: save
+    export: Callable[[Path, dict | None], None] | None = None  # default: save
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -100,7 +101,7 @@ class OfflineRun:
         that leaves the directory as it was (a new one is removed). batch: (examples per step, its key), which
         the ranks split evenly."""
         d = cfg.distributed
-        dist = rdist.start(d.mode, "ddp", d.backend, device, d.timeout_s)
+        dist = rdist.start(d.mode, d.strategy, d.backend, device, d.timeout_s)
         if batch[0] % dist.world:
             rdist.stop()
             raise UserError(f"{batch[1]}={batch[0]} cannot be split evenly over {dist.world} processes")
@@ -130,14 +131,24 @@ class OfflineRun:
             rdist.stop()
             raise
 
-    def begin(self, model: Model, opt: torch.optim.Optimizer, data) -> None:
-        """The model, its optimizer and the data order, restored from the checkpoint when resuming; config.yaml,
-        run.json and the metrics log opened (rank 0)."""
+    def begin(self, model: Model, optim, data) -> None:
+        """The model (sharded in place under FSDP2), its optimizer (optim: the config's optim section) and the data
+        order, restored from the checkpoint when resuming; config.yaml, run.json and the metrics log opened
+        (rank 0)."""
         from regen.config import dump_config
+        from regen.runtime.optim import make_optimizer
 
+        if self.dist.sharded:
+            config = getattr(model.module, "config", None)
+            if hasattr(model.module, "peft_config") or getattr(config, "vision_config", None) is not None:
+                raise UserError("distributed.strategy=fsdp: a LoRA adapter or a vision-language model trains data "
+                                "parallel with distributed.strategy=ddp in `regen sft`, DPO and `regen rm`")
+            self.dist.wrap(model.module)
+        opt = make_optimizer(model.module, optim)
         self.model, self.opt, self.data = model, opt, data
         if self.state is not None:
-            self.start_step = ckpt.restore(self.state, self.run_dir, opt, data)
+            self.start_step = ckpt.restore(self.state, self.run_dir, opt, data,
+                                           load_optimizer=lambda sd: self.dist.load_optim_state(model.module, opt, sd))
             if "health" in self.state["state"]:
                 self.health.load_state(self.state["state"]["health"])
         if not self.dist.main:
@@ -223,9 +234,14 @@ class OfflineRun:
         self.opt.zero_grad(set_to_none=True)
         if not self.dist.all_true(bool(torch.isfinite(loss))):
             return float("nan"), False
-        loss.backward()
-        self.dist.sum_grads(self.model.params)
+        if self.dist.sharded:  # FSDP2 averages the ranks' gradients; the ranks' losses are shares of the batch's
+            (loss * self.dist.loss_scale).backward()
+        else:
+            loss.backward()
+            self.dist.sum_grads(self.model.params)
         norm = torch.nn.utils.clip_grad_norm_(self.model.params, grad_clip if grad_clip > 0 else float("inf"))
+        if hasattr(norm, "full_tensor"):  # FSDP2: the norm of sharded gradients is a DTensor
+            norm = norm.full_tensor()
         if not torch.isfinite(norm):  # the same summed gradients, so the same verdict, on every rank
             self.opt.zero_grad(set_to_none=True)
             return float(norm), False
@@ -244,12 +260,12 @@ class OfflineRun:
                              f"{self.health.rollbacks} rollbacks (see {self.run_dir / 'alerts.jsonl'}); nothing was "
                              f"exported: lower optim.lr or check the data, then {then}")
         with torch.no_grad():
-            self.model.module.load_state_dict(self.model.reload(None if folder is None else folder / "model")
-                                              .state_dict())
+            self.dist.load_model_state(self.model.module, self.model.reload(None if folder is None else folder / "model")
+                                       .state_dict())
         if folder is None:
             self.opt.state.clear()
         else:
-            self.opt.load_state_dict(ckpt.load_checkpoint(folder)["optimizer"])
+            self.dist.load_optim_state(self.model.module, self.opt, ckpt.load_checkpoint(folder)["optimizer"])
         self.health.rolled_back()
         self.alerts.fire(step, "rollback", f"rolled back to {folder.name if folder else 'the starting model'}; "
                          f"learning rate x{self.health.lr_scale:g}", lr_scale=self.health.lr_scale)
@@ -257,28 +273,35 @@ class OfflineRun:
     # ------------------------------------------------------------------ checkpoints and the end
 
     def finite(self) -> bool:
-        return all(bool(torch.isfinite(p).all()) for p in self.model.module.parameters())
+        """Every weight finite (on every rank: under FSDP2 each checks its shards)."""
+        local = all(bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all())
+                    for p in self.model.module.parameters())
+        return self.dist.all_true(local)
 
     def save(self, step: int) -> Path | None:
         """A checkpoint (rank 0 writes; the others wait for it): weights, optimizer, data position, torch RNG,
         health, trainer and config. Not written when the weights are not finite (an alert); a failed write (disk
         full) is an alert, earlier checkpoints stay."""
-        if not self.finite():  # every rank holds the same weights: the same verdict
+        if not self.finite():
             self.alerts.fire(step, "nonfinite_weights", f"weights not finite at step {step}: no checkpoint written")
             return None
-        folder = self.dist.broadcast_object(self._write(step) if self.dist.main else None)
+        # FSDP2: the whole weights and optimizer state gathered from the shards (collectives, every rank)
+        weights, opt_state = self.dist.full_model_state(self.model.module), \
+            self.dist.full_optim_state(self.model.module, self.opt)
+        folder = self.dist.broadcast_object(self._write(step, weights, opt_state) if self.dist.main else None)
         if folder is not None:
             self.health.checkpointed()
             if self.mirror is not None:
                 self.mirror.submit(folder)  # background upload; failures become alerts
         return folder
 
-    def _write(self, step: int) -> Path | None:
+    def _write(self, step: int, weights: dict | None, opt_state: dict | None) -> Path | None:
         from regen import __version__
 
         try:
             return ckpt.save_checkpoint(
-                self.run_dir, step, self.model.save, self.opt, rng={"torch_cpu": torch.get_rng_state()},
+                self.run_dir, step, lambda folder: self.model.save(folder, weights),
+                self.opt if opt_state is None else ckpt.Gathered(opt_state), rng={"torch_cpu": torch.get_rng_state()},
                 state={"data": self.data.state(), "trainer": self.trainer, "healthy": not self.health.problem,
                        "health": self.health.state(), "config": redact(self.cfg.model_dump(mode="json")),
                        "regen_version": __version__},
@@ -307,7 +330,8 @@ class OfflineRun:
                     mark_closed(self.run_dir, "stopped")
                 raise RunStopped(f"stopped at step {step}: the weights are not finite; nothing was exported (see "
                                  f"{self.run_dir / 'alerts.jsonl'})")
-            error = d.broadcast_object(self._export() if d.main else None)
+            weights = d.full_model_state(self.model.module)  # FSDP2: gathered from the shards (every rank)
+            error = d.broadcast_object(self._export(weights) if d.main else None)
             if error is not None:
                 raise UserError(error)
             return {**summary, "checkpoint": str(last), "export": str(self.run_dir / "export")}
@@ -316,10 +340,10 @@ class OfflineRun:
                 self.mirror.close()  # waits for the uploads still in flight
             rdist.stop()
 
-    def _export(self) -> str | None:
+    def _export(self, weights: dict | None) -> str | None:
         """export/ and run.json's end (rank 0); the error line when export/ cannot be written."""
         try:
-            write_folder(self.run_dir / "export", self.model.export or self.model.save)
+            write_folder(self.run_dir / "export", lambda folder: (self.model.export or self.model.save)(folder, weights))
         except OSError as e:
             mark_closed(self.run_dir, "stopped")
             return (f"export: cannot write {self.run_dir / 'export'}: {e.strerror or e}; the final checkpoint is in "

@@ -23,7 +23,6 @@ from regen.policies.vlm import check_trainable, is_processor
 from regen.quality import Quality, gates
 from regen.runtime import checkpoint as ckpt
 from regen.runtime.loggers import require as require_loggers
-from regen.runtime.optim import make_optimizer
 from regen.runtime.rundir import setup_torch
 
 
@@ -101,8 +100,8 @@ def train_dpo(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
             source = cfg.model if folder is None else cfg.model.model_copy(update={"path": str(folder), "init": None})
             return load_model_and_tokenizer(source, cfg.task, cfg.run.seed)[0]
 
-        run.begin(Model(policy.model, policy.save_pretrained, reload, policy.export),
-                  make_optimizer(policy.model, cfg.optim), EpochSampler(len(pairs), cfg.run.seed))
+        run.begin(Model(policy.model, policy.save_pretrained, reload, policy.export), cfg.optim,
+                  EpochSampler(len(pairs), cfg.run.seed))
 
     def evaluate(step: int) -> dict[str, float]:
         out = run_eval(policy, eval_items, cfg, None, run.run_dir, step, quality) if eval_items else {}

@@ -17,7 +17,6 @@ from regen.policies.lm import resolve_device
 from regen.quality import Quality, gates
 from regen.runtime import checkpoint as ckpt
 from regen.runtime.loggers import require as require_loggers
-from regen.runtime.optim import make_optimizer
 from regen.runtime.rundir import setup_torch
 
 
@@ -45,6 +44,9 @@ def sft_flow(cfg: SFTConfig, resume: bool = False, force: bool = False) -> dict:
         raise UserError("eval.reference=base measures drift from the starting model during RL; flow pretraining "
                         "starts from noise: use eval.reference=shapes (the true drawings) or a folder of images")
     quality = Quality(cfg.eval, "flow", cfg.run.seed)  # a wrong metric setting stops before the run dir
+    if cfg.distributed.strategy == "fsdp":
+        raise UserError("distributed.strategy=fsdp: regen sft of a flow model is data parallel with ddp only (its "
+                        "UNet has no repeated blocks to shard)")
     with OfflineRun.starting(cfg, "flow_sft", device, (cfg.sft.global_batch_size, "sft.global_batch_size"), resume,
                              force) as run:
         setup_torch(cfg.run.threads, cfg.run.seed)
@@ -59,7 +61,8 @@ def sft_flow(cfg: SFTConfig, resume: bool = False, force: bool = False) -> dict:
             p = load_flow_policy(source, cfg.run.seed, device)
             return torch.nn.ModuleList([p.unet, p.encoder])
 
-        run.begin(Model(trained, policy.save_pretrained, reload, policy.export), make_optimizer(trained, cfg.optim),
+        run.begin(Model(trained, lambda folder, _: policy.save_pretrained(folder), reload,
+                        lambda folder, _: policy.export(folder)), cfg.optim,
                   EpochSampler(len(train), cfg.run.seed))
     s = cfg.sft
 

@@ -25,7 +25,6 @@ from regen.quality import gates
 from regen.rewards.reward_model import exchange_ids, score_batches
 from regen.runtime import checkpoint as ckpt
 from regen.runtime.loggers import require as require_loggers
-from regen.runtime.optim import make_optimizer
 from regen.runtime.rundir import setup_torch
 
 
@@ -40,8 +39,9 @@ class RewardModelFolder:
     def __init__(self, model, tok):
         self.model, self.tok = model, tok
 
-    def save_pretrained(self, folder: Path) -> None:
-        self.model.save_pretrained(folder, safe_serialization=True)
+    def save_pretrained(self, folder: Path, state_dict: dict | None = None) -> None:
+        """state_dict: the gathered weights of a sharded (FSDP2) model."""
+        self.model.save_pretrained(folder, state_dict=state_dict, safe_serialization=True)
         self.tok.save_pretrained(folder)
 
 
@@ -109,7 +109,7 @@ def train_rm(cfg: RMConfig, resume: bool = False, force: bool = False) -> dict:
             source = cfg.model if folder is None else cfg.model.model_copy(update={"path": str(folder), "init": None})
             return load_reward_model(source, cfg.task, cfg.run.seed)[0]
 
-        run.begin(Model(model, RewardModelFolder(model, tok).save_pretrained, reload), make_optimizer(model, cfg.optim),
+        run.begin(Model(model, RewardModelFolder(model, tok).save_pretrained, reload), cfg.optim,
                   EpochSampler(len(pairs), cfg.run.seed))
     tokens = max(s.max_length, 16384)
 

@@ -18,7 +18,6 @@ from regen.policies.vlm import VisionPrompt, check_trainable, encode, is_process
 from regen.quality import Quality, gates
 from regen.runtime import checkpoint as ckpt
 from regen.runtime.loggers import require as require_loggers
-from regen.runtime.optim import make_optimizer
 from regen.runtime.rundir import setup_torch
 
 IGNORE = -100
@@ -106,8 +105,7 @@ def sft(cfg: SFTConfig, resume: bool = False, force: bool = False) -> dict:
             source = cfg.model if folder is None else cfg.model.model_copy(update={"path": str(folder), "init": None})
             return load_model_and_tokenizer(source, cfg.task, cfg.run.seed)[0]
 
-        run.begin(Model(policy.model, policy.save_pretrained, reload), make_optimizer(policy.model, cfg.optim),
-                  EpochSampler(len(demos), cfg.run.seed))
+        run.begin(Model(policy.model, policy.save_pretrained, reload), cfg.optim, EpochSampler(len(demos), cfg.run.seed))
     s = cfg.sft
 
     def evaluate(step: int) -> dict[str, float]:
