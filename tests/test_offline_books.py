@@ -88,17 +88,23 @@ def test_nonfinite_steps_roll_back_then_stop_and_nothing_is_exported(trainer, tm
     assert not (run / "run.lock").exists()
 
 
-def test_a_passing_nonfinite_streak_rolls_back_to_the_last_checkpoint(trainer, tmp_path, monkeypatch):
-    """Steps 3 and 4 non-finite (the loss the trainer computed, turned NaN): both skipped, then a rollback to
-    step 2's checkpoint at half the learning rate; the run finishes and exports finite weights."""
-    cmd, kind = trainer
+@pytest.fixture
+def nan_at_steps_3_and_4(monkeypatch):
+    """OfflineRun.optimizer_step handed a NaN loss (the loss the trainer computed, turned NaN) at its 3rd and 4th
+    calls: the real fault a diverging step shows the books."""
     real, calls = OfflineRun.optimizer_step, []
 
-    def nan_at_3_and_4(self, loss, lr, grad_clip):
+    def step(self, loss, lr, grad_clip):
         calls.append(lr)
         return real(self, loss * float("nan") if len(calls) in (3, 4) else loss, lr, grad_clip)
 
-    monkeypatch.setattr(OfflineRun, "optimizer_step", nan_at_3_and_4)
+    monkeypatch.setattr(OfflineRun, "optimizer_step", step)
+
+
+def test_a_passing_nonfinite_streak_rolls_back_to_the_last_checkpoint(trainer, tmp_path, nan_at_steps_3_and_4):
+    """Steps 3 and 4 non-finite (the loss the trainer computed, turned NaN): both skipped, then a rollback to
+    step 2's checkpoint at half the learning rate; the run finishes and exports finite weights."""
+    cmd, kind = trainer
     run = tmp_path / "run"
     assert main(cmd(run, f"{STEPS[kind]}=6", "optim.lr=1e-4", "checkpoint.every=2", "checkpoint.keep_last=3",
                     "health.rollback_after_nonfinite=2")) == 0
@@ -236,16 +242,9 @@ def test_process_group_keys_outside_torchrun_are_refused(verb, model, keys, tmp_
     assert key in capsys.readouterr().err and not (tmp_path / "run").exists()
 
 
-def test_a_lora_dpo_run_rolls_back_its_adapter(base_model, tmp_path, monkeypatch):
+def test_a_lora_dpo_run_rolls_back_its_adapter(base_model, tmp_path, nan_at_steps_3_and_4):
     """DPO with model.lora: a rollback reloads the adapter of the last healthy checkpoint onto the starting weights
     (the checkpoint holds the adapter only)."""
-    real, calls = OfflineRun.optimizer_step, []
-
-    def nan_at_3_and_4(self, loss, lr, grad_clip):
-        calls.append(lr)
-        return real(self, loss * float("nan") if len(calls) in (3, 4) else loss, lr, grad_clip)
-
-    monkeypatch.setattr(OfflineRun, "optimizer_step", nan_at_3_and_4)
     run = tmp_path / "run"
     assert main(args("dpo", base_model, run, "train.steps=6", "optim.lr=1e-3", "checkpoint.every=2",
                      "checkpoint.keep_last=3", "health.rollback_after_nonfinite=2", "model.lora={r: 4, alpha: 8}")) == 0

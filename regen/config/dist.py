@@ -10,6 +10,24 @@ from pydantic import Field
 from regen.config.base import Section
 
 
+# The process group's settings, read by `regen train` (torchrun, a Ray trainer group) and the trainers without
+# sampling (torchrun): `where` says when they act.
+def _strategy(where: str, more: str = ""):
+    return Field("ddp", description=f"{where}: 'ddp' replicates the model and all-reduces gradients; 'fsdp' shards "
+                 "parameters, gradients and optimizer state (FSDP2 fully_shard) for models too big to replicate; "
+                 "checkpoints and export/ are gathered into the single-process form." + more)
+
+
+def _backend(where: str):
+    return Field("auto", description=f"{where}: process-group backend; 'auto' = nccl on CUDA, gloo on CPU.")
+
+
+def _timeout(where: str):
+    return Field(1800.0, ge=1.0, description=f"{where}: seconds a collective waits for every rank before the run "
+                 "fails (a rank that died or hangs). Long enough for rank 0's held-out evaluations and checkpoint "
+                 "writes, which the other ranks wait out; shorter makes a lost node fail the job sooner.")
+
+
 class DistributedConfig(Section):
     mode: Literal["auto", "single", "torchrun", "ray"] = Field(
         "auto", description="'single': one process. 'torchrun': data parallel over the processes torchrun started "
@@ -17,19 +35,9 @@ class DistributedConfig(Section):
         "Ray actors; or, with trainer_workers > 1, a group of trainer actors that train like torchrun ranks. "
         "'auto': torchrun when started by torchrun, else single."
     )
-    strategy: Literal["ddp", "fsdp"] = Field(
-        "ddp", description="torchrun and a Ray trainer group: 'ddp' replicates the model and all-reduces "
-        "gradients; 'fsdp' shards parameters, gradients and optimizer state (FSDP2 fully_shard) for models too "
-        "big to replicate."
-    )
-    backend: Literal["auto", "nccl", "gloo"] = Field(
-        "auto", description="torchrun and a Ray trainer group: process-group backend; 'auto' = nccl on CUDA, gloo on CPU."
-    )
-    timeout_s: float = Field(
-        1800.0, ge=1.0, description="torchrun and a Ray trainer group: seconds a collective waits for every "
-        "rank before the run fails (a rank that died or hangs). Long enough for rank 0's held-out evaluations and "
-        "checkpoint writes, which the other ranks wait out; shorter makes a lost node fail the job sooner."
-    )
+    strategy: Literal["ddp", "fsdp"] = _strategy("torchrun and a Ray trainer group")
+    backend: Literal["auto", "nccl", "gloo"] = _backend("torchrun and a Ray trainer group")
+    timeout_s: float = _timeout("torchrun and a Ray trainer group")
     colocate: bool = Field(
         False, description="single and torchrun: sampling and training share each process's device, handing "
         "memory to each other between phases. Before sampling the optimizer state and the frozen copies go to CPU "
@@ -105,19 +113,11 @@ class OfflineDistributedConfig(Section):
         "each holds the whole model, takes its share of every batch, and the gradients are summed over the "
         "processes, so N processes train what one trains. 'auto': torchrun when started by torchrun, else single."
     )
-    strategy: Literal["ddp", "fsdp"] = Field(
-        "ddp", description="torchrun: 'ddp' (each rank holds the whole model; the gradients are summed in one "
-        "all-reduce) or 'fsdp' (FSDP2 fully_shard: parameters, gradients and optimizer state sharded over the ranks, "
-        "for models too big to replicate; checkpoints and export/ are gathered, single-process form). fsdp: "
-        "language and reward models without LoRA; a flow model's SFT and vision-language models are data parallel "
-        "with ddp only."
-    )
-    backend: Literal["auto", "nccl", "gloo"] = Field(
-        "auto", description="torchrun: process-group backend; 'auto' = nccl on CUDA, gloo on CPU."
-    )
-    timeout_s: float = Field(
-        1800.0, ge=1.0, description="torchrun: seconds a collective waits for every rank before the run fails."
-    )
+    strategy: Literal["ddp", "fsdp"] = _strategy(
+        "torchrun", " Here fsdp is for language and reward models without LoRA; a flow model's SFT and "
+        "vision-language models are data parallel with ddp only.")
+    backend: Literal["auto", "nccl", "gloo"] = _backend("torchrun")
+    timeout_s: float = _timeout("torchrun")
 
 
 def offline_unread(mode: str, given) -> list[str]:

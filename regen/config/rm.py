@@ -6,20 +6,9 @@ from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
-from regen.config import (
-    CheckpointConfig,
-    DataConfig,
-    EvalConfig,
-    LogConfig,
-    MirrorConfig,
-    ModelConfig,
-    OfflineHealthConfig,
-    OptimConfig,
-    RunConfig,
-    TaskConfig,
-)
+from regen.config import DataConfig, EvalConfig, LogConfig, ModelConfig, OptimConfig, RunConfig
 from regen.config.base import Section
-from regen.config.dist import OfflineDistributedConfig, offline_unread
+from regen.config.offline import OfflineConfig
 
 
 class RMStepsConfig(Section):
@@ -45,7 +34,7 @@ class RMEvalConfig(Section):
         return EvalConfig._gate_rules(v)
 
 
-class RMConfig(Section):
+class RMConfig(OfflineConfig):
     """`regen rm`: train a reward model on preference pairs."""
 
     run: RunConfig = Field(default_factory=lambda: RunConfig(dir="runs/rm"))
@@ -54,19 +43,10 @@ class RMConfig(Section):
     data: DataConfig = Field(default_factory=lambda: DataConfig(train="builtin:arithmetic:train",
                                                                 eval="builtin:arithmetic:test"),
                              description="Pairs {prompt, chosen, rejected}, as for DPO.")
-    task: TaskConfig = Field(default_factory=TaskConfig)
-    rm: RMStepsConfig = Field(default_factory=RMStepsConfig)
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-4))
-    eval: RMEvalConfig = Field(default_factory=RMEvalConfig)
-    checkpoint: CheckpointConfig = Field(default_factory=lambda: CheckpointConfig(every=0))
-    mirror: MirrorConfig = Field(default_factory=MirrorConfig)
-    health: OfflineHealthConfig = Field(default_factory=OfflineHealthConfig)
-    distributed: OfflineDistributedConfig = Field(default_factory=OfflineDistributedConfig)
     log: LogConfig = Field(default_factory=lambda: LogConfig(every=20))
-
-    def unread(self, given) -> list[str]:
-        """Messages for keys the user set that `regen rm` does not read: the process group's outside torchrun."""
-        return offline_unread(self.distributed.mode, given)
+    rm: RMStepsConfig = Field(default_factory=RMStepsConfig)
+    eval: RMEvalConfig = Field(default_factory=RMEvalConfig)
 
     @model_validator(mode="after")
     def _supported(self) -> RMConfig:

@@ -4,45 +4,24 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from regen.config import (
-    CheckpointConfig,
-    DataConfig,
-    EvalConfig,
-    LogConfig,
-    MirrorConfig,
-    ModelConfig,
-    OfflineHealthConfig,
-    OptimConfig,
-    RolloutConfig,
-    RunConfig,
-    SFTStepsConfig,
-    TaskConfig,
-)
-from regen.config.base import Section
-from regen.config.dist import OfflineDistributedConfig, offline_unread
+from regen.config import EvalConfig, LogConfig, OptimConfig, RolloutConfig, RunConfig, SFTStepsConfig
+from regen.config.offline import OfflineConfig
 
 # the rollout keys `regen sft` of a language model reads: its held-out evaluation samples with them
 SFT_ROLLOUT = ("temperature", "top_p", "max_new_tokens", "stop_tokens")
 
 
-class SFTConfig(Section):
+class SFTConfig(OfflineConfig):
     """`regen sft`: supervised fine-tuning on prompt/completion demonstrations."""
 
     run: RunConfig = Field(default_factory=lambda: RunConfig(dir="runs/sft"))
-    model: ModelConfig
-    data: DataConfig = Field(default_factory=DataConfig)
-    task: TaskConfig = Field(default_factory=TaskConfig)
-    sft: SFTStepsConfig = Field(default_factory=SFTStepsConfig)
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-3))
+    log: LogConfig = Field(default_factory=lambda: LogConfig(every=200))
+    sft: SFTStepsConfig = Field(default_factory=SFTStepsConfig)
     eval: EvalConfig = Field(default_factory=lambda: EvalConfig(greedy=True))
     rollout: RolloutConfig = Field(
         default_factory=RolloutConfig, description="Sampling settings used by held-out evaluation."
     )
-    checkpoint: CheckpointConfig = Field(default_factory=lambda: CheckpointConfig(every=0))
-    mirror: MirrorConfig = Field(default_factory=MirrorConfig)
-    health: OfflineHealthConfig = Field(default_factory=OfflineHealthConfig)
-    distributed: OfflineDistributedConfig = Field(default_factory=OfflineDistributedConfig)
-    log: LogConfig = Field(default_factory=lambda: LogConfig(every=200))
 
     def unread(self, given) -> list[str]:
         """Messages for keys the user set that `regen sft` does not read: of rollout.*, held-out evaluation of a
@@ -60,7 +39,7 @@ class SFTConfig(Section):
                    for k in keys if k.removeprefix("rollout.").split(".")[0] not in SFT_ROLLOUT]
             if "data.system_prompt" in chat and not self.data.chat_template:
                 out.append("data.system_prompt is read only with data.chat_template=true")
-        return out + offline_unread(self.distributed.mode, given)
+        return out + super().unread(given)
 
     @model_validator(mode="after")
     def _synonyms(self) -> SFTConfig:

@@ -125,14 +125,15 @@ class LatentFlowPolicy(FlowPolicy):
         return next(self.unet.parameters()).dtype
 
     def flow_matching_loss(
-        self, x0: torch.Tensor, prompts: list[str], gen: torch.Generator, cond_dropout: float = 0.1
+        self, x0: torch.Tensor, prompts: list[str], gen: torch.Generator, cond_dropout: float = 0.1,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x0 in pixel space, as regen's SFT loop draws it ((B, 3, H, W) images, (B, F, 3, H, W)
         videos, [-1, 1]): encoded with the frozen VAE, then FlowPolicy's rectified-flow loss on
-        the latents, the space SD3 and Wan were trained in."""
+        the latents, the space SD3 and Wan were trained in (rows: as FlowPolicy's)."""
         with torch.no_grad():
             z = self.encode(x0.to(self.device))
-        return super().flow_matching_loss(z, prompts, gen, cond_dropout)
+        return super().flow_matching_loss(z, prompts, gen, cond_dropout, rows=rows)
 
 
 # ---------------------------------------------------------------- tiny tokenizers, built locally
