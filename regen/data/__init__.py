@@ -52,7 +52,6 @@ BUILTIN = {
     "shapes-paraphrase": {"prompts": "regen.tasks.shapes_paraphrase:builtin_prompts",
                           "demos": "regen.tasks.shapes_paraphrase:builtin_demos"},
 }
-BUILTIN_TASKS = tuple(BUILTIN)
 # Splits beyond train / test: shapes-paraphrase:phrasings holds the training attribute combinations in
 # the held-out phrasings (regen/tasks/shapes_paraphrase.py).
 EXTRA_SPLITS = {"shapes-paraphrase": ("phrasings",)}

@@ -67,9 +67,9 @@ class FlowModality(Modality):
         self.gen_device = torch.device("cpu")  # noise is drawn on the CPU (the same on any device)
         self._sde: dict[int, torch.Tensor] = {}  # each planned step's SDE steps (dynamic sampling reuses them)
         f = cfg.flow
-        spec = method(cfg.algorithm.name)  # its declaration (regen/config/flow_methods.py), its code:
+        spec = method(cfg.algorithm.name)  # its declaration (regen/config/flow_methods.py) names its code
         self.method = load(spec.impl)(self)
-        self.per_step, self.unit = self.method.per_step, self.method.unit
+        self.per_step, self.unit = spec.stochastic, self.method.unit  # per step: trained on re-scored SDE steps
         folder = None if state is None else state["folder"]
         self.policy = build_policy(cfg, device, None if state is None or sampler_only else state["model_dir"])
         self.ref = self.ema = self.weight_ema = None

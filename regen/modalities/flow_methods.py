@@ -17,9 +17,8 @@ from regen.algorithms.flow import awm_loss, flow_dppo_loss, flow_grpo_loss, gaus
 
 
 class FlowMethod:
-    """The hooks a flow method fills in; `m` is the FlowModality it belongs to."""
-
-    per_step = False  # trained on re-scored SDE transitions (the modality keeps their log-probs)
+    """The hooks a flow method fills in; `m` is the FlowModality it belongs to. Whether it trains on re-scored SDE
+    steps is its declaration's `stochastic` (the modality then keeps their log-probs)."""
 
     def __init__(self, m) -> None:
         self.m = m
@@ -46,7 +45,7 @@ class FlowMethod:
 
 
 class StochasticMethod(FlowMethod):
-    per_step = True
+    """Declared with stochastic=True: trained on the rollouts' re-scored SDE transitions."""
 
     def loss(self, mini, pos):
         m = self.m
