@@ -42,10 +42,10 @@ def _all_logprobs(model, enc, batch: int = 256) -> torch.Tensor:
                       for i in range(0, len(ids), batch)])
 
 
-def _encode(pairs, tok, max_len, which: str, device):
-    # chat-rendered pairs (meta holds the conversation): the template wrote the special tokens and the end of turn
+def _encode(pairs, tok, max_len, which: str, device, chat: bool = False):
+    # chat: pairs rendered by the template (data.chat_template), which wrote the special tokens and the end of turn
     demos = [Demo(p.prompt, getattr(p, which), p.meta, segments=[(p.prompt, False), (getattr(p, which), True)]
-                  if "messages" in p.meta else None) for p in pairs]
+                  if chat else None) for p in pairs]
     return tuple(t.to(device) for t in encode_demos(demos, tok, max_len))
 
 
@@ -82,8 +82,8 @@ def train_dpo(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
         state = run.state
         start = start.to(device).eval()
         max_len = max_positions(start)
-        enc_c = _encode(pairs, tok, max_len, "chosen", device)
-        enc_r = _encode(pairs, tok, max_len, "rejected", device)
+        enc_c = _encode(pairs, tok, max_len, "chosen", device, chat)
+        enc_r = _encode(pairs, tok, max_len, "rejected", device, chat)
         ref_c, ref_r = _all_logprobs(start, enc_c), _all_logprobs(start, enc_r)  # cached once
         if cfg.model.lora is not None:  # adapter on the starting weights (saved adapter when resuming)
             start = apply_lora(start, cfg.model.lora, None if state is None else state["model_dir"])
@@ -92,7 +92,8 @@ def train_dpo(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
         policy = LMPolicy(start, tok, device)
         configure_prompts(policy, cfg)
         policy.model.eval()  # dropout off, as in RL
-        held = [_encode(held_pairs, tok, max_len, w, device) for w in ("chosen", "rejected")] if held_pairs else None
+        held = [_encode(held_pairs, tok, max_len, w, device, chat) for w in ("chosen", "rejected")] \
+            if held_pairs else None
 
         def reload(folder):
             if cfg.model.lora is not None:  # the starting weights with the checkpoint's adapter (or a fresh one)
