@@ -24,11 +24,14 @@ def kl_shaped_rewards(
     """
     m = mask.to(torch.float32)
     R = torch.where(torch.isfinite(rewards), rewards, torch.zeros_like(rewards)).to(torch.float32)
-    lengths = m.sum(-1).long()
-    last = torch.zeros_like(m)
-    has = lengths > 0
+    # the last valid token (not the count of valid ones: a multi-turn episode's observation tokens
+    # are holes in the mask between the model's turns)
+    T = m.shape[-1]
+    last_idx = T - 1 - (m.flip(-1) > 0).float().argmax(-1)
+    has = m.sum(-1) > 0
     rows = torch.arange(m.shape[0], device=m.device)[has]
-    last[rows, lengths[has] - 1] = 1.0
+    last = torch.zeros_like(m)
+    last[rows, last_idx[has]] = 1.0
     out = last * R.to(m.device).unsqueeze(-1)
     if kl_coef > 0:
         if logp is None or ref_logp is None:
@@ -48,19 +51,24 @@ def gae(
 
     With values = 0 and gamma = lam = 1, A_t is the plain reward-to-go sum_{s>=t} r_s
     (REINFORCE++). Invalid positions get A = returns = 0. Returns (advantages, returns).
+
+    "Next" is the next valid token: invalid positions between valid ones (a multi-turn
+    episode's observation tokens, which the model did not choose) are skipped, not treated
+    as the end of the sequence.
     """
     m = mask.to(token_rewards.dtype)
     v = values.to(token_rewards.dtype) * m
     T = token_rewards.shape[-1]
     adv = torch.zeros_like(token_rewards)
-    running = torch.zeros_like(token_rewards[:, 0])
-    next_v = torch.zeros_like(running)
+    running = torch.zeros_like(token_rewards[:, 0])  # A of the next valid token (0 after the last)
+    next_v = torch.zeros_like(running)  # V of the next valid token (0 after the last)
     for t in reversed(range(T)):
-        cont = m[:, t + 1] if t + 1 < T else torch.zeros_like(running)  # a next valid token follows
-        delta = token_rewards[:, t] + gamma * next_v * cont - v[:, t]
-        running = (delta + gamma * lam * running * cont) * m[:, t]
-        adv[:, t] = running
-        next_v = v[:, t]
+        valid = m[:, t] > 0
+        delta = token_rewards[:, t] + gamma * next_v - v[:, t]
+        a = delta + gamma * lam * running
+        adv[:, t] = torch.where(valid, a, torch.zeros_like(a))
+        running = torch.where(valid, a, running)
+        next_v = torch.where(valid, v[:, t], next_v)
     return adv, (adv + v) * m
 
 

@@ -13,6 +13,7 @@ from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from regen.config.base import Section
 from regen.config.dist import DistributedConfig
+from regen.config.env import EnvConfig
 from regen.config.eval import EvalConfig
 from regen.config.methods import CriticConfig, FlowConfig, OverlongConfig
 from regen.config.model import LoraSettings, ModelConfig  # noqa: F401  (re-exported)
@@ -209,6 +210,9 @@ class RLConfig(Section):
     reward: list[RewardTerm] = Field(
         default_factory=lambda: [RewardTerm(name="exact_match")], description="Reward terms, summed with weights."
     )
+    env: EnvConfig | None = Field(
+        None, description="Language models: multi-turn episodes in an environment (tools, games); null = one "
+        "completion per sample. The episode's reward is the `env_reward` reward term.")
     tasks: dict[str, TaskStream] | None = Field(
         None, description="Multi-task run: task streams by name, each with its own train / eval prompts, reward "
         "terms and weight (then data.train, data.eval and reward are not read). Each step's prompts are drawn "
@@ -307,9 +311,12 @@ class RLConfig(Section):
             raise ValueError(f"flow.sde_window={f.sde_window} from flow.window_start={f.window_start} does not fit "
                              f"in flow.steps={f.steps}")
         o = self.algorithm.overlong
-        if o is not None and (o.cache_len > o.max_len or o.max_len > r.max_new_tokens):
+        # the length it punishes is the model's own tokens: of one completion, or of an episode's turns
+        cap, cap_key = (r.max_new_tokens, "rollout.max_new_tokens") if self.env is None else \
+            (min(self.env.max_tokens, self.env.max_turns * r.max_new_tokens), "the episode's model tokens (env)")
+        if o is not None and (o.cache_len > o.max_len or o.max_len > cap):
             raise ValueError(f"algorithm.overlong: need cache_len ({o.cache_len}) <= max_len ({o.max_len}) <= "
-                             f"rollout.max_new_tokens ({r.max_new_tokens})")
+                             f"{cap_key} ({cap})")
         if self.models is not None:
             self._members = None
             _ = self.members  # each model's own config, checked now

@@ -25,6 +25,7 @@ register_modality(Modality("lm", "language models", "regen.modalities.lm:LMModal
     *when("with algorithm.advantage=grpo", lambda c: c.algorithm.advantage == "grpo", "algorithm.std_normalize"),
     *when("with algorithm.advantage=reinforce_pp", lambda c: c.algorithm.advantage == "reinforce_pp",
           "algorithm.reinforce_baseline"),
+    *always("env"),
 )))
 
 # clip defaults: PPO's 0.2 (Schulman 2017); GSPO's sequence-level ratio is a geometric mean, so its

@@ -84,10 +84,10 @@ ONLINE = [
 def arithmetic(cfg) -> bool:
     """The built-in arithmetic task is in use (its data, or its model recipe)."""
     if cfg.model is None:  # a joint run: its data
-        return any(str(s).startswith("builtin:arithmetic") for s in (cfg.data.train, cfg.data.eval))
+        return any(str(s).startswith(("builtin:arithmetic", "builtin:calc")) for s in (cfg.data.train, cfg.data.eval))
     specs = [cfg.data.train, cfg.data.eval] if not getattr(cfg, "tasks", None) else \
         [x for s in cfg.tasks.values() if s.task is None for x in (s.train, s.eval)]
-    return cfg.model.init is not None or any(str(s).startswith("builtin:arithmetic") for s in specs)
+    return cfg.model.init is not None or any(str(s).startswith(("builtin:arithmetic", "builtin:calc")) for s in specs)
 
 
 

@@ -44,6 +44,9 @@ class PrefPair:
 BUILTIN = {
     "arithmetic": {"prompts": "regen.tasks.arithmetic:builtin_prompts", "demos": "regen.tasks.arithmetic:builtin_demos",
                    "pairs": "regen.tasks.arithmetic:builtin_pairs"},
+    # multiplication with a calculator tool (the tool-use demo); -notool: the same prompts, direct-answer demos
+    "calc": {"prompts": "regen.tasks.calc:builtin_prompts", "demos": "regen.tasks.calc:builtin_demos"},
+    "calc-notool": {"prompts": "regen.tasks.calc:builtin_prompts", "demos": "regen.tasks.calc:builtin_demos_notool"},
     "shapes": {"prompts": "regen.tasks.shapes:image_prompts"},  # image prompts, meta = the drawn attributes
     "moving-shapes": {"prompts": "regen.tasks.shapes:video_prompts"},
     "shapes-vqa": {"prompts": "regen.tasks.shapes_vqa:builtin_prompts",  # questions about drawn shapes, with images

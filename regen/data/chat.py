@@ -57,22 +57,26 @@ def _with_system(msgs: list[dict], system_prompt: str | None) -> list[dict]:
     return msgs
 
 
-def _template(tokenizer, msgs: list, generation: bool, where: str, i: int) -> str:
+def _template(tokenizer, msgs: list, generation: bool, where: str, i: int, tools: list | None = None) -> str:
     try:
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation)
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation,
+                                             **({"tools": tools} if tools else {}))
     except Exception as e:  # noqa: BLE001  (a Jinja error names what the template expected)
         raise DataError(f"{where}: row {i + 1}: the chat template failed ({type(e).__name__}: {e})") from None
 
 
-def render(items: list[PromptItem], tokenizer, system_prompt: str | None, where: str) -> list[PromptItem]:
+def render(items: list[PromptItem], tokenizer, system_prompt: str | None, where: str,
+           tools: list | None = None) -> list[PromptItem]:
     """Each item's prompt rendered with the tokenizer's (or a vision-language model's processor's)
-    chat template and add_generation_prompt; an item's image stays with it."""
+    chat template and add_generation_prompt; an item's image stays with it. tools: JSON-schema tool
+    specs the template shows the model (an environment's, see regen/envs/tools.py)."""
     _require_template(tokenizer)
     out = []
     for i, it in enumerate(items):
         msgs = _with_system(messages_of(it.prompt, it.meta, where, i), system_prompt)
         shown = with_image(msgs, tokenizer.image_token) if it.image is not None and is_processor(tokenizer) else msgs
-        out.append(PromptItem(_template(tokenizer, shown, True, where, i), {**it.meta, "messages": msgs}, it.image))
+        out.append(PromptItem(_template(tokenizer, shown, True, where, i, tools), {**it.meta, "messages": msgs},
+                              it.image))
     return out
 
 

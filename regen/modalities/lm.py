@@ -44,14 +44,15 @@ from regen.runtime.optim import make_optimizer
 class LMPlan:
     """The randomness of one step's sampling: one uniform per (row, token), for the whole batch."""
 
-    u: torch.Tensor  # (B, max_new_tokens)
+    u: torch.Tensor  # (B, max_new_tokens); multi-turn episodes: (B, env.max_turns * max_new_tokens)
+    seeds: torch.Tensor | None = None  # (B,) each episode's environment seed (env runs only)
 
     def select(self, rows: torch.Tensor) -> LMPlan:
-        return LMPlan(self.u[rows.to(self.u.device)])
+        return LMPlan(self.u[rows.to(self.u.device)], None if self.seeds is None else self.seeds[rows.to(self.seeds.device)])
 
     def cpu(self) -> LMPlan:
         """To travel to a rollout actor through the object store."""
-        return LMPlan(self.u.cpu())
+        return LMPlan(self.u.cpu(), None if self.seeds is None else self.seeds.cpu())
 
 
 @dataclass
@@ -83,11 +84,12 @@ class LMModality(Modality):
             self.critic, self.critic_opt = None, None
             configure_prompts(self.policy, cfg)
             self.policy.model.eval()
-            self.engine = self.policy
+            self.engine = episode_engine(cfg, self.policy) or self.policy
             if vllm:
                 from regen.policies.lm_vllm import VLLMEngine
 
                 self.engine = VLLMEngine(cfg, self.policy)
+            self.vllm = vllm
             return
         model, tok, reference = load_policy_model(cfg, state)
         self.policy = LMPolicy(model, tok, device, reference=reference)
@@ -101,6 +103,9 @@ class LMModality(Modality):
                 if self.policy.ref is not None:
                     dist.wrap(self.policy.ref, trainable=False)
                 self.policy.all_done = lambda done: dist.all_true(bool(done.all()))  # same forwards on every rank
+        if cfg.env is not None and dist.sharded:
+            raise UserError("env with distributed.strategy=fsdp: multi-turn episodes need the same number of forward "
+                            "calls on every rank, which FSDP2 requires and episodes do not give yet; use strategy=ddp")
         self.critic, self.critic_opt = load_critic(cfg, device, state, alerts, dist)
         B, mb, n = cfg.rollout.global_batch_size, cfg.train.global_minibatch_size, cfg.rollout.group_size
         self.unit = n if mb % n == 0 else 1  # minibatches of whole groups when they fit
@@ -109,11 +114,12 @@ class LMModality(Modality):
         # number of forwards on every rank, which the prompt sharing (length buckets) does not give.
         self.share = self.unit if (mb // dist.world) % self.unit == 0 and not dist.sharded else 1
         self.single_pass = cfg.train.ppo_epochs == 1 and mb == B
-        self.engine = self.policy
+        self.engine = episode_engine(cfg, self.policy) or self.policy
         if cfg.rollout.engine == "vllm" and cfg.distributed.mode != "ray":
             from regen.policies.lm_vllm import VLLMEngine
 
             self.engine = VLLMEngine(cfg, self.policy)
+        self.vllm = self.engine is not self.policy and cfg.env is None  # this process samples with vLLM
 
     @property
     def trained(self) -> torch.nn.Module:
@@ -126,11 +132,14 @@ class LMModality(Modality):
 
     def plan(self, gen: torch.Generator, step: int, again: bool = False) -> LMPlan:
         c = self.cfg
-        return LMPlan(torch.rand(c.rollout.global_batch_size, c.rollout.max_new_tokens, generator=gen,
-                                 device=gen.device))
+        B, T = c.rollout.global_batch_size, c.rollout.max_new_tokens
+        if c.env is None:
+            return LMPlan(torch.rand(B, T, generator=gen, device=gen.device))
+        return LMPlan(torch.rand(B, c.env.max_turns * T, generator=gen, device=gen.device),
+                      torch.randint(0, 2**31 - 1, (B,), generator=gen, device=gen.device))
 
     def inputs(self, items) -> list:
-        return self.policy.inputs(items)
+        return self.engine.inputs(items) if self.cfg.env is not None else self.policy.inputs(items)
 
     def sample(self, prompts: list, n: int, plan: LMPlan, behaviour: bool = False) -> LMRollout:
         """behaviour: also keep each token's log-prob under the sampling weights (rollout actors,
@@ -138,7 +147,9 @@ class LMModality(Modality):
         r = self.cfg.rollout
         # vLLM's log-probs come from its own kernels, not the trained model's: no behaviour terms from
         # it (checks.py keeps max_staleness at 0 there, so the trainer's old log-probs are exact)
-        extra = {"with_logp": True} if behaviour and self.engine is self.policy else {}
+        extra = {"with_logp": True} if behaviour and not self.vllm else {}
+        if plan.seeds is not None:
+            extra["seeds"] = plan.seeds
         return self.engine.sample(prompts, n, r.temperature, r.top_p, r.max_new_tokens, None, uniforms=plan.u, **extra)
 
     def concat(self, parts: list[LMRollout]) -> LMRollout:
@@ -149,28 +160,27 @@ class LMModality(Modality):
                 if not self.policy.is_lora or "lora_" in k}  # LoRA: only the adapter changes
 
     def sampler_sleep(self) -> None:
-        if self.engine is not self.policy:
+        if self.vllm:
             self.engine.sleep()
 
     def sampler_wake(self) -> None:
-        if self.engine is not self.policy:
+        if self.vllm:
             self.engine.wake()
 
     def sync_local(self, step: int) -> dict[str, float]:
         """A vLLM engine in this process takes the new weights; the policy itself needs nothing."""
-        push = getattr(self.engine, "load_weights", None)
-        return {} if push is None else push(self.policy, step)
+        return self.engine.load_weights(self.policy, step) if self.vllm else {}
 
     def take_weights(self, state: dict[str, torch.Tensor]) -> None:
         """A rollout actor with vLLM: full weights go straight into the engine, bucket by bucket; a
         LoRA adapter goes into the transformers copy, merged and pushed once every bucket is in."""
-        if self.engine is self.policy or self.policy.is_lora:
+        if not self.vllm or self.policy.is_lora:
             super().take_weights(state)
         else:
             self.engine.load_tensors(state)
 
     def weights_taken(self) -> None:
-        if self.engine is self.policy:
+        if not self.vllm:
             return
         if self.policy.is_lora:
             self.engine.load_weights(self.policy, 0)  # merged copy, every tensor (it resets the prefix cache)
@@ -182,8 +192,8 @@ class LMModality(Modality):
     def reward_samples(self, items, batch: LMRollout) -> list[Sample]:
         n, finished = self.cfg.rollout.group_size, batch.finished.tolist()
         # a VLM's prompt image reaches the rewards as the sample's media (and its 'image' value as meta)
-        return [Sample(items[i // n].prompt, batch.completions[i], items[i // n].meta, finished[i], items[i // n].image)
-                for i in range(len(batch.completions))]
+        return [Sample(items[i // n].prompt, batch.completions[i], {**items[i // n].meta, **batch.row_meta(i)},
+                       finished[i], items[i // n].image) for i in range(len(batch.completions))]
 
     def shape_rewards(self, rewards: torch.Tensor, parts: dict, batch: LMRollout) -> tuple[torch.Tensor, dict]:
         """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13) added to the reward."""
@@ -287,8 +297,9 @@ class LMModality(Modality):
 
     def batch_metrics(self, batch: LMRollout) -> dict[str, float]:
         lengths = batch.response_mask.sum(1)
-        return {"response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
-                "response/truncated_frac": float((~batch.finished).float().mean())}
+        out = {"response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
+               "response/truncated_frac": float((~batch.finished).float().mean())}
+        return out if batch.episodes is None else out | episode_metrics(batch)
 
     # ------------------------------------------------------------------ books
 
@@ -323,7 +334,43 @@ class LMModality(Modality):
 
     def evaluate(self, items, reward, run_dir: Path, step: int, quality=None, task: str | None = None
                  ) -> dict[str, float]:
-        return run_eval(self.policy, items, self.cfg, reward, run_dir, step, quality, task)
+        sampler = self.policy if self.cfg.env is None else self.engine
+        return run_eval(sampler, items, self.cfg, reward, run_dir, step, quality, task)
+
+
+def episode_engine(cfg, policy):
+    """env: the multi-turn sampler in front of the policy (None: one completion per sample)."""
+    if cfg.env is None:
+        return None
+    if cfg.rollout.engine == "vllm":
+        raise UserError("env with rollout.engine=vllm: multi-turn episodes are sampled by regen's own loop; use "
+                        "rollout.engine=hf")
+    if policy.processor is not None:
+        raise UserError("env with a vision-language model: multi-turn episodes are for text models so far")
+    from regen.envs import make_env
+    from regen.policies.lm_episodes import EpisodeSampler
+
+    return EpisodeSampler(policy, make_env(cfg.env), cfg.env.max_turns, cfg.env.max_tokens, cfg.data.chat_template)
+
+
+def episode_metrics(batch: LMRollout) -> dict[str, float]:
+    """Turns, tool calls and errors per episode, the observations' share of the tokens after the
+    prompt, the truncation rate and the mean seconds per tool call (all tools, and each by name)."""
+    eps, n = batch.episodes, len(batch.episodes)
+    calls = sum(e["tool_calls"] for e in eps)
+    total = float(batch.lengths.sum().clamp(min=1))
+    per_tool: dict[str, list] = {}
+    for e in eps:
+        for name, (c, t) in e.get("tool_time", {}).items():
+            acc = per_tool.setdefault(name, [0, 0.0])
+            acc[0], acc[1] = acc[0] + c, acc[1] + t
+    return {**{f"episode/tool_seconds/{k}": t / max(c, 1) for k, (c, t) in sorted(per_tool.items())},
+            "episode/turns": sum(len(e["turns"]) for e in eps) / n,
+            "episode/tool_calls": calls / n, "episode/tool_errors": sum(e["tool_errors"] for e in eps) / n,
+            "episode/obs_token_frac": sum(e["obs_tokens"] for e in eps) / total,
+            "episode/truncated_frac": sum(e["truncated"] for e in eps) / n,
+            "episode/env_reward": sum(e["reward"] for e in eps) / n,
+            "episode/tool_seconds": sum(e["tool_seconds"] for e in eps) / max(calls, 1)}
 
 
 def load_policy_model(cfg, state: dict | None):

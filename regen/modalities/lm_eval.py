@@ -55,8 +55,8 @@ def evaluate_with_samples(
         chunk = items[start : start + batch_size]
         ro = policy.sample(policy.inputs(chunk), n, temperature, top_p, max_new_tokens, gen, greedy=greedy)
         fin = ro.finished.tolist()
-        samples += [Sample(chunk[i // n].prompt, ro.completions[i], chunk[i // n].meta, fin[i], chunk[i // n].image)
-                    for i in range(len(fin))]
+        samples += [Sample(chunk[i // n].prompt, ro.completions[i], {**chunk[i // n].meta, **ro.row_meta(i)}, fin[i],
+                           chunk[i // n].image) for i in range(len(fin))]
     out = {"length": sum(len(s.completion) for s in samples) / max(len(samples), 1)}
     correct = exact_match(samples)
     if items and all("answer" in it.meta for it in items):
@@ -66,6 +66,12 @@ def evaluate_with_samples(
         total, _ = reward(samples)
         finite = [t for t in total if t == t]
         out["reward"] = sum(finite) / len(finite) if finite else float("nan")
+    eps = [s.meta["episode"] for s in samples if "episode" in s.meta]
+    if eps:  # multi-turn episodes: how they went, beside how they scored
+        out |= {"turns": sum(len(e["turns"]) for e in eps) / len(eps),
+                "tool_calls": sum(e["tool_calls"] for e in eps) / len(eps),
+                "tool_errors": sum(e["tool_errors"] for e in eps) / len(eps),
+                "truncated_frac": sum(e["truncated"] for e in eps) / len(eps)}
     if quality:
         out |= quality(samples, step)
     rows = []
@@ -74,6 +80,10 @@ def evaluate_with_samples(
                "reward": float(t) if t is not None and math.isfinite(t) else None}
         if "answer" in s.meta:
             row |= {"answer": s.meta["answer"], "correct": bool(c)}
+        if "episode" in s.meta:  # a multi-turn episode: the whole transcript, turns and observations
+            ep = s.meta["episode"]
+            row |= {"turns": ep["turns"], "observations": ep["observations"], "tool_calls": ep["tool_calls"],
+                    "tool_errors": ep["tool_errors"], "truncated": ep["truncated"]}
         if s.media is not None:  # a VLM's prompt image, small, for the report
             row["image"] = png_data_uri(s.media, THUMB)
         rows.append(row | {"finished": bool(s.finished)})

@@ -272,7 +272,7 @@ def _shared_prefix_logits(model, batch: LMRollout, n: int) -> torch.Tensor:
     P, (B, T) = batch.prompt_width, batch.response_ids.shape
     pos = batch.position_ids
     group = torch.arange(B, device=batch.input_ids.device) // n
-    lengths = batch.response_mask.sum(1).long().clamp(min=1)
+    lengths = batch.lengths.long().clamp(min=1)  # through the last token (a multi-turn episode's too)
     cache_arg = _cache_arg(model)
     pieces = []
     for rows in _length_buckets(lengths):

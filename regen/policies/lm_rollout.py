@@ -22,9 +22,20 @@ class LMRollout:
     version: torch.Tensor | None = None  # (B,) long: weight version that sampled each row (rollout workers)
     behaviour_logp: torch.Tensor | None = None  # (B, T) log-probs under the sampling weights (rollout workers)
     vision: dict[str, torch.Tensor] | None = None  # vision-language models: per-row image inputs (pixel_values)
+    # multi-turn episodes (regen/policies/lm_episodes.py): per row, its turns, observations, reward and tool counts;
+    # the response region then interleaves turns and observations, response_mask marking the model's tokens only
+    episodes: list[dict] | None = None
 
     def __len__(self) -> int:
         return len(self.completions)
+
+    def row_meta(self, i: int) -> dict:
+        """What a reward sees of row i beyond its prompt row's fields: its episode, if any."""
+        return {} if self.episodes is None else {"episode": self.episodes[i]}
+
+    @property
+    def lengths(self) -> torch.Tensor:  # (B,) tokens after the prompt, observations included
+        return self.attention_mask[:, self.prompt_width :].sum(1)
 
     @property
     def response_ids(self) -> torch.Tensor:  # (B, T)
@@ -46,6 +57,7 @@ class LMRollout:
             None if self.version is None else self.version[idx.cpu()],
             None if self.behaviour_logp is None else self.behaviour_logp[idx.to(self.behaviour_logp.device)],
             None if self.vision is None else {k: v[idx.to(v.device)] for k, v in self.vision.items()},
+            None if self.episodes is None else [self.episodes[i] for i in keep],
         )
 
     def to(self, device) -> LMRollout:
@@ -53,7 +65,8 @@ class LMRollout:
         return LMRollout(self.input_ids.to(device), self.attention_mask.to(device), self.response_mask.to(device),
                          self.finished.to(device), self.prompt_width, self.completions, self.version,
                          None if self.behaviour_logp is None else self.behaviour_logp.to(device),
-                         None if self.vision is None else {k: v.to(device) for k, v in self.vision.items()})
+                         None if self.vision is None else {k: v.to(device) for k, v in self.vision.items()},
+                         self.episodes)
 
 
 def concat_rollouts(parts: list[LMRollout], pad_id: int) -> LMRollout:
@@ -76,5 +89,6 @@ def concat_rollouts(parts: list[LMRollout], pad_id: int) -> LMRollout:
         torch.cat([F.pad(p.behaviour_logp, (0, T - p.behaviour_logp.shape[1])) for p in parts])
     vision = None if parts[0].vision is None else \
         {k: torch.cat([p.vision[k].to(parts[0].vision[k].device) for p in parts]) for k in parts[0].vision}
+    episodes = None if parts[0].episodes is None else [e for p in parts for e in p.episodes]
     return LMRollout(torch.cat(ids), torch.cat(att), torch.cat(resp_mask), torch.cat([p.finished for p in parts]),
-                     P, [c for p in parts for c in p.completions], versions, behaviour, vision)
+                     P, [c for p in parts for c in p.completions], versions, behaviour, vision, episodes)

@@ -33,6 +33,13 @@ def format_reward(samples: list[Sample], pattern: str = r"\d+", require_eos: boo
     return [float(bool(rx.fullmatch(s.completion)) and (s.finished or not require_eos)) for s in samples]
 
 
+@register("env_reward", version="1")
+def env_reward(samples: list[Sample]) -> list[float | None]:
+    """The environment's reward of a multi-turn episode (env:): its per-turn rewards plus its
+    episode_reward. None (missing) for a sample that is not an episode."""
+    return [s.meta["episode"]["reward"] if isinstance(s.meta.get("episode"), dict) else None for s in samples]
+
+
 @register("brightness", version="1")
 def brightness(samples: list[Sample], target: float | None = None) -> list[float | None]:
     """Mean pixel value of an image or video in [0, 1]; with `target`, 1 - |mean - target|.

@@ -21,5 +21,11 @@ def _enhancer(seed: int, digits: int):
     return build_model(seed)
 
 
+def _calc(seed: int, digits: int):
+    from regen.tasks.calc import build_model
+
+    return build_model(seed)
+
+
 # model.init recipes of language models: name -> fn(seed, digits) -> (model, tokenizer or processor)
-LM_RECIPES = {"arith-char-gpt2": _arith, "shapes-vlm": _shapes_vlm, "shapes-enhancer": _enhancer}
+LM_RECIPES = {"arith-char-gpt2": _arith, "calc-char-gpt2": _calc, "shapes-vlm": _shapes_vlm, "shapes-enhancer": _enhancer}

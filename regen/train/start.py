@@ -29,7 +29,11 @@ def run_inputs(cfg: RLConfig) -> tuple[object, list[PromptItem], list[PromptItem
     reward = build_reward(cfg)
     skip = cfg.data.on_bad_line == "skip"
     chat = cfg.data.chat_template and cfg.modality == "lm"
-    tok = None
+    tok, tools = None, None
+    if cfg.env is not None:  # the environment's class and arguments, checked before anything is touched
+        from regen.envs import make_env
+
+        tools = getattr(make_env(cfg.env)(), "tools", None)
     if chat:  # prompts rendered with the model's own template before anything else is touched
         from regen.policies.lm_load import load_tokenizer
 
@@ -42,7 +46,7 @@ def run_inputs(cfg: RLConfig) -> tuple[object, list[PromptItem], list[PromptItem
         if chat:
             from regen.data.chat import render
 
-            items = render(items, tok, cfg.data.system_prompt, where)
+            items = render(items, tok, cfg.data.system_prompt, where, tools)
         return items
 
     if cfg.tasks:
