@@ -255,17 +255,21 @@ def run(args) -> dict:
         raise UserError(f"--data: no prompts in '{s['data']}'")
     reward = _PartsRecorder(CombinedReward.from_config(terms)) if terms else None
     policy = load_policy(source, task, s["seed"], args.device)
-    if cfg is not None:  # the run's chat template and stop tokens, as in its own evaluations
+    sampler = policy
+    if cfg is not None:  # the run's chat template, stop tokens and environment, as in its own evaluations
         from regen.data.chat import render
+        from regen.modalities.lm import episode_engine
         from regen.policies.lm import configure_prompts
 
         configure_prompts(policy, cfg)
-        items = render(items, policy.tokenizer, cfg.data.system_prompt, "--data") if chat else items
+        sampler = episode_engine(cfg, policy) or policy  # env: whole multi-turn episodes
+        tools = getattr(sampler, "tools", None)
+        items = render(items, policy.tokenizer, cfg.data.system_prompt, "--data", tools) if chat else items
     n = 1 if args.greedy else s["samples_per_prompt"]
     common = {"top_p": s["top_p"], "max_new_tokens": s["max_new_tokens"], "batch_size": s["batch_size"],
               "seed": s["seed"]}
     quality = Quality(e, "lm", s["seed"])
-    metrics, rows = evaluate_with_samples(policy, items, temperature=s["temperature"], samples_per_prompt=n,
+    metrics, rows = evaluate_with_samples(sampler, items, temperature=s["temperature"], samples_per_prompt=n,
                                           greedy=args.greedy, reward=reward, keep=len(items) * n, quality=quality,
                                           **common)
     if reward is not None:
@@ -275,7 +279,7 @@ def run(args) -> dict:
             for row, x in zip(rows, scores):
                 row.setdefault("rewards", {})[name] = x if math.isfinite(x) else None
     if s["also_greedy"] and not args.greedy:  # the run's eval.greedy: greedy accuracy too, as in training
-        greedy = evaluate(policy, items, temperature=1.0, greedy=True, **common)
+        greedy = evaluate(sampler, items, temperature=1.0, greedy=True, **common)
         if "accuracy" in greedy:
             metrics["greedy_accuracy"] = greedy["accuracy"]
     checked = gates.check(e.gates, {f"eval/{k}": v for k, v in metrics.items()})
@@ -322,6 +326,20 @@ def print_table(result: dict, show: int) -> None:
             shown = f" -> {_short(r['completion'])}" if "completion" in r else ""
             shown = f" -> rewrite {_short(r['rewrite'])}" if "rewrite" in r else shown
             print(f"  reward {reward}  {_short(r['prompt'])}{shown}{answer}")
+            if "turns" in r:  # a multi-turn episode: the whole transcript
+                print(transcript(r, indent="      "))
+
+
+def transcript(row: dict, indent: str = "") -> str:
+    """An episode's turns and observations in order, each on its own line, labelled."""
+    lines = []
+    for i, turn in enumerate(row["turns"]):
+        lines.append(f"{indent}[model] {_short(turn, 200)}")
+        obs = row["observations"][i] if i < len(row["observations"]) else ""
+        if obs:
+            lines.append(f"{indent}[env]   {_short(obs, 200)}")
+    tail = [f"{row['tool_calls']} tool call(s)", f"{row['tool_errors']} error(s)"] + (["truncated"] if row["truncated"] else [])
+    return "\n".join(lines + [f"{indent}({', '.join(tail)})"])
 
 
 def _short(text: str, limit: int = 60) -> str:

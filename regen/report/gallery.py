@@ -75,10 +75,25 @@ class Gallery:
             parts.insert(0, f'<div class="completion"><span class="lbl">rewrite</span>{_text(row["rewrite"])}</div>')
         if "prompt" in row:
             parts.append(f'<div class="prompt"><span class="lbl">prompt</span>{_text(row["prompt"])}</div>')
-        if "completion" in row:
+        if isinstance(row.get("turns"), list):  # a multi-turn episode: the model's turns and what answered them
+            parts.append(self.transcript(row))
+        elif "completion" in row:
             parts.append(f'<div class="completion"><span class="lbl">completion</span>{_text(row["completion"])}</div>')
         parts.append(f'<div class="meta">{" · ".join(meta)}</div>')
         return f'<div class="sample" data-step="{step}">{"".join(parts)}</div>'
+
+    @staticmethod
+    def transcript(row: dict) -> str:
+        obs = row.get("observations") or []
+        out = []
+        for i, turn in enumerate(row["turns"]):
+            out.append(f'<div class="completion turn"><span class="lbl">model {i + 1}</span>{_text(turn)}</div>')
+            if i < len(obs) and obs[i]:
+                out.append(f'<div class="observation"><span class="lbl">env</span>{_text(obs[i])}</div>')
+        calls, errors = row.get("tool_calls", 0), row.get("tool_errors", 0)
+        tail = f"{len(row['turns'])} turns · {calls} tool calls · {errors} tool errors"
+        tail += " · truncated" if row.get("truncated") else ""
+        return f'<div class="episode">{"".join(out)}<div class="meta">{escape(tail)}</div></div>'
 
     def summary(self, step: int) -> str:
         rows = self.run.samples[step]

@@ -68,8 +68,9 @@ ul.notes{background:#fff8e5;border-left:3px solid #f0b400;padding:6px 8px 6px 28
 .samples{display:grid;grid-template-columns:repeat(auto-fill,minmax(260px,1fr));gap:8px}
 .sample{background:#fff;border:1px solid #ddd;border-radius:6px;padding:6px;font-size:13px}
 .sample .lbl{color:#888;font-size:11px;margin-right:6px}
-.prompt,.completion{white-space:pre-wrap;word-break:break-word;font-family:ui-monospace,monospace}
+.prompt,.completion,.observation{white-space:pre-wrap;word-break:break-word;font-family:ui-monospace,monospace}
 .completion{background:#f3f6fb;margin:3px 0;padding:2px 4px}
+.observation{background:#f6f3e8;margin:3px 0 3px 12px;padding:2px 4px}
 .meta{color:#555;font-size:12px}.more{color:#888}
 img.media{max-width:100%;height:160px;width:auto;object-fit:contain;display:block;margin:0 auto 4px;
  image-rendering:pixelated}
