@@ -11,9 +11,9 @@ from __future__ import annotations
 import random
 
 from regen.data import Demo, PrefPair, PromptItem
+from regen.tasks.tiny_models import tiny_gpt2, wordlevel_tokenizer
 
 SPLIT_SEED = 1234  # fixed: the held-out set must not depend on run.seed
-SPECIALS = ["<pad>", "<eos>", "<unk>"]
 CHARS = list("0123456789+=")
 
 
@@ -76,38 +76,14 @@ def preference_pairs(split_name: str, digits: int, test_size: int) -> list[PrefP
 
 def build_tokenizer():
     """Character-level fast tokenizer that round-trips through AutoTokenizer."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {t: i for i, t in enumerate(SPECIALS + CHARS)}
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tk.decoder = decoders.Fuse()  # join characters without the spaces WordLevel would insert
-    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    return wordlevel_tokenizer(CHARS, per_character=True)
 
 
 def build_model(seed: int, digits: int = 2):
     """A ~0.4M-parameter GPT-2 (2 layers, width 128, 4 heads) from random init, and its tokenizer."""
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     tok = build_tokenizer()
     max_len = 2 * digits + 2 + digits + 2 + 8  # prompt + answer + EOS, with slack for longer sampling
-    config = GPT2Config(
-        vocab_size=len(tok),
-        n_positions=max(32, max_len),
-        n_embd=128,
-        n_layer=2,
-        n_head=4,
-        # GPT-2's tanh-approximated GELU as one native kernel ("gelu_new" is five elementwise
-        # ops, a quarter of this small model's forward time on CPU); same function.
-        activation_function="gelu_pytorch_tanh",
-        bos_token_id=tok.eos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    torch.manual_seed(seed)
-    return GPT2LMHeadModel(config), tok
+    return tiny_gpt2(tok, seed, n_positions=max(32, max_len), n_embd=128, n_layer=2), tok
 
 
 # builtin:arithmetic (regen/data BUILTIN): the config's task section gives the sizes

@@ -22,10 +22,10 @@ import operator
 import random
 
 from regen.data import Demo, PromptItem
+from regen.tasks.tiny_models import tiny_gpt2, wordlevel_tokenizer
 
 SPLIT_SEED = 4321  # fixed: the held-out set must not depend on run.seed
 TRAIN_SIZE = 20000
-SPECIALS = ["<pad>", "<eos>", "<unk>"]
 CHARS = [chr(c) for c in range(32, 127)]  # printable ASCII: tool calls are JSON
 
 
@@ -112,28 +112,14 @@ def demonstrations(digits: int, test_size: int, noise: float, tools: bool = True
 
 def build_tokenizer():
     """Character-level fast tokenizer over printable ASCII; <eos> etc. are whole tokens."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {t: i for i, t in enumerate(SPECIALS + CHARS)}
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tk.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    return wordlevel_tokenizer(CHARS, per_character=True)
 
 
 def build_model(seed: int):
     """A ~0.8M-parameter GPT-2 (4 layers, width 128) from random init: enough to copy operands into
     a call and the tool's answer out of it, far too small to multiply four-digit numbers."""
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     tok = build_tokenizer()
-    config = GPT2Config(vocab_size=len(tok), n_positions=256, n_embd=128, n_layer=4, n_head=4,
-                        activation_function="gelu_pytorch_tanh", bos_token_id=tok.eos_token_id,
-                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    torch.manual_seed(seed)
-    return GPT2LMHeadModel(config), tok
+    return tiny_gpt2(tok, seed, n_positions=256, n_embd=128, n_layer=4), tok
 
 
 # builtin:calc / builtin:calc-notool (regen/data BUILTIN): the config's task section gives the sizes

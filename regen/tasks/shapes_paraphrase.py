@@ -114,19 +114,10 @@ def vocabulary() -> list[str]:
 def build_model(seed: int):
     """A word-level GPT-2 (2 layers, width 64) over the painter's words, the synonyms and the
     phrasings' words, from random init, and its tokenizer (saved / loaded like any hub model)."""
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+    from regen.tasks.tiny_models import tiny_gpt2, wordlevel_tokenizer
 
-    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>", *vocabulary()])}
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-    config = GPT2Config(vocab_size=len(tok), n_positions=32, n_embd=64, n_layer=2, n_head=4,
-                        activation_function="gelu_pytorch_tanh", bos_token_id=tok.eos_token_id,
-                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    torch.manual_seed(seed)
-    return GPT2LMHeadModel(config), tok
+    tok = wordlevel_tokenizer(vocabulary(), per_character=False)
+    return tiny_gpt2(tok, seed, n_positions=32, n_embd=64, n_layer=2), tok
 
 
 # builtin:shapes-paraphrase (regen/data BUILTIN)
