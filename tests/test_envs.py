@@ -195,7 +195,7 @@ def test_observation_tokens_get_no_gradient_and_no_kl_or_entropy(policy):
 def test_episode_metrics_average_per_episode_and_per_tool_call():
     from types import SimpleNamespace
 
-    from regen.modalities.lm import episode_metrics
+    from regen.policies.lm_episodes import episode_metrics
 
     base = {"observations": [], "reward": 1.0, "truncated": False}
     eps = [{**base, "turns": ["a", "b", "c"], "tool_calls": 2, "tool_errors": 1, "tool_seconds": 0.4, "obs_tokens": 6,

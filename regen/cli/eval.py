@@ -258,8 +258,8 @@ def run(args) -> dict:
     sampler = policy
     if cfg is not None:  # the run's chat template, stop tokens and environment, as in its own evaluations
         from regen.data.chat import render
-        from regen.modalities.lm import episode_engine
         from regen.policies.lm import configure_prompts
+        from regen.policies.lm_episodes import episode_engine
 
         configure_prompts(policy, cfg)
         sampler = episode_engine(cfg, policy) or policy  # env: whole multi-turn episodes

@@ -289,3 +289,37 @@ class EpisodeSampler:
             completions=[e.turns[-1] if e.turns else "" for e in eps],
             behaviour_logp=(logp * rmask).to(dev) if with_logp else None,
             episodes=[e.as_dict() for e in eps])
+
+
+def episode_engine(cfg, policy):
+    """env: the multi-turn sampler in front of the policy (None: one completion per sample)."""
+    if cfg.env is None:
+        return None
+    if cfg.rollout.engine == "vllm":
+        raise UserError("env with rollout.engine=vllm: multi-turn episodes are sampled by regen's own loop; use "
+                        "rollout.engine=hf")
+    if policy.processor is not None:
+        raise UserError("env with a vision-language model: multi-turn episodes are for text models so far")
+    from regen.envs import make_env
+
+    return EpisodeSampler(policy, make_env(cfg.env), cfg.env.max_turns, cfg.env.max_tokens, cfg.data.chat_template)
+
+
+def episode_metrics(batch: LMRollout) -> dict[str, float]:
+    """Turns, tool calls and errors per episode, the observations' share of the tokens after the
+    prompt, the truncation rate and the mean seconds per tool call (all tools, and each by name)."""
+    eps, n = batch.episodes, len(batch.episodes)
+    calls = sum(e["tool_calls"] for e in eps)
+    total = float(batch.lengths.sum().clamp(min=1))
+    per_tool: dict[str, list] = {}
+    for e in eps:
+        for name, (c, t) in e.get("tool_time", {}).items():
+            acc = per_tool.setdefault(name, [0, 0.0])
+            acc[0], acc[1] = acc[0] + c, acc[1] + t
+    return {**{f"episode/tool_seconds/{k}": t / max(c, 1) for k, (c, t) in sorted(per_tool.items())},
+            "episode/turns": sum(len(e["turns"]) for e in eps) / n,
+            "episode/tool_calls": calls / n, "episode/tool_errors": sum(e["tool_errors"] for e in eps) / n,
+            "episode/obs_token_frac": sum(e["obs_tokens"] for e in eps) / total,
+            "episode/truncated_frac": sum(e["truncated"] for e in eps) / n,
+            "episode/env_reward": sum(e["reward"] for e in eps) / n,
+            "episode/tool_seconds": sum(e["tool_seconds"] for e in eps) / max(calls, 1)}
