@@ -173,6 +173,32 @@ def test_shared_prompt_prefix_gives_the_same_logprobs_and_gradients(policy):
         torch.testing.assert_close(grads[1][k], grads[0][k], atol=1e-5, rtol=1e-4)
 
 
+def test_shared_prefix_gradients_are_bitwise_the_same_run_after_run_at_two_threads():
+    # Each prompt's KV cache is repeated across its group: the backward of that repeat must add in a
+    # fixed order. Advanced indexing (x[inv]) adds with index_put_(accumulate=True), whose order varies
+    # with the threads on CPU, and two identical GRPO runs drifted apart from their second step.
+    from regen.tasks.calc import build_model as calc_model
+    from regen.tasks.calc import prompts
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        model, tok = calc_model(0)
+        p = LMPolicy(model.eval(), tok, torch.device("cpu"))
+        items = prompts("train", 4, 500)[:8]
+        batch = p.sample(p.inputs(items), 8, 1.0, 1.0, 96, torch.Generator().manual_seed(0))
+        grads = []
+        for _ in range(3):
+            model.zero_grad()
+            logp, _ = p.token_logprobs(batch, 1.0, group_size=8)
+            (logp * batch.response_mask).sum().backward()
+            grads.append([q.grad.clone() for q in model.parameters()])
+    finally:
+        torch.set_num_threads(threads)
+    for other in grads[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(grads[0], other))
+
+
 def test_shared_prefix_with_single_token_responses(policy):
     batch = policy.sample(PROMPTS, 2, 1.0, 1.0, 1, torch.Generator().manual_seed(5))
     assert batch.response_ids.shape[1] == 1

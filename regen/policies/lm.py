@@ -282,10 +282,13 @@ def _shared_prefix_logits(model, batch: LMRollout, n: int) -> torch.Tensor:
         # the prompt, and its image through the vision tower, once per group
         out = model(input_ids=batch.input_ids[rep, :P], attention_mask=batch.attention_mask[rep, :P],
                     position_ids=pos[rep, :P], use_cache=L > 1, **select_vision(batch.vision, rep))
-        logits = out.logits[inv, -1:]  # predicts response token 0
+        # index_select, not logits[inv] / Cache.batch_select_indices: the backward of advanced indexing
+        # with repeated indices (index_put_ with accumulate) adds in a thread-dependent order on CPU, so two
+        # identical runs at 2 threads drifted apart in the 8th digit; index_select's backward does not
+        logits = out.logits[:, -1:].index_select(0, inv)  # predicts response token 0
         if L > 1:
             cache = _cache_of(out)
-            cache.batch_select_indices(inv)  # one cache row per sample, sharing its prompt's keys/values
+            _select_cache_rows(cache, inv)  # one cache row per sample, sharing its prompt's keys/values
             rest = model(input_ids=batch.input_ids[rows, P : P + L - 1],
                          attention_mask=batch.attention_mask[rows, : P + L - 1],
                          position_ids=pos[rows, P : P + L - 1], use_cache=True, **{cache_arg: cache}).logits
@@ -325,6 +328,17 @@ def _cache_arg(model) -> str:
     base = getattr(model, "module", model)  # DDP wraps the model (its forward takes **kwargs)
     base = base.get_base_model() if hasattr(base, "get_base_model") else base  # peft wraps it too
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
+def _select_cache_rows(cache, rows: torch.Tensor) -> None:
+    """Keep the cache's batch rows `rows` (repeats allowed), each layer's keys and values by
+    index_select (see _shared_prefix_logits); a cache without per-layer tensors selects its own way."""
+    layers = getattr(cache, "layers", None)
+    if not layers or not all(isinstance(getattr(la, "keys", None), torch.Tensor) for la in layers):
+        cache.batch_select_indices(rows)
+        return
+    for la in layers:
+        la.keys, la.values = la.keys.index_select(0, rows), la.values.index_select(0, rows)
 
 
 def _cache_of(out):
