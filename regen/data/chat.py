@@ -34,14 +34,15 @@ def _checked(msgs, last: str, why: str, where: str, i: int) -> list[dict]:
     return [{"role": m["role"], "content": m["content"]} for m in msgs]
 
 
-def with_image(msgs: list[dict], image_token: str) -> list[dict]:
+def with_image(msgs: list[dict], image_token: str, count: int = 1) -> list[dict]:
     """A vision-language prompt's conversation as processors' templates expect it: the last user
-    turn's content as [{"type": "image"}, {"type": "text", ...}], unless its text already places
-    the image token itself."""
+    turn's content as [{"type": "image"} x count, {"type": "text", ...}], unless its text already
+    places the image token itself."""
     last = msgs[-1]
     if image_token in last["content"]:
         return msgs
-    return [*msgs[:-1], {"role": last["role"], "content": [{"type": "image"}, {"type": "text", "text": last["content"]}]}]
+    return [*msgs[:-1], {"role": last["role"],
+                         "content": [{"type": "image"}] * count + [{"type": "text", "text": last["content"]}]}]
 
 
 def _require_template(tokenizer) -> None:
@@ -74,7 +75,9 @@ def render(items: list[PromptItem], tokenizer, system_prompt: str | None, where:
     out = []
     for i, it in enumerate(items):
         msgs = _with_system(messages_of(it.prompt, it.meta, where, i), system_prompt)
-        shown = with_image(msgs, tokenizer.image_token) if it.image is not None and is_processor(tokenizer) else msgs
+        count = len(it.image) if isinstance(it.image, list) else 1
+        shown = with_image(msgs, tokenizer.image_token, count) if it.image is not None and is_processor(tokenizer) \
+            else msgs
         out.append(PromptItem(_template(tokenizer, shown, True, where, i, tools), {**it.meta, "messages": msgs},
                               it.image))
     return out

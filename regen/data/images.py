@@ -1,6 +1,7 @@
 """Images in prompt rows, for vision-language models.
 
-A row's `image` field is one of:
+A row's `image` field is one image, or a list of them (several images in one prompt, for the
+Qwen-VL families; the first is the one rewards see as Sample.media), each one of:
   - a file path (PNG, JPEG, ...), absolute or relative to the data file's folder (then to the
     current directory);
   - base64 of an image file, bare or as a data URI ("data:image/png;base64,...");
@@ -70,12 +71,25 @@ def _b64(text: str, where: str) -> bytes:
 
 
 def attach_images(items: list, rows_where: str, base: Path | None) -> None:
-    """Decode each item's meta['image'] (if the item has one) into item.image."""
+    """Decode each item's meta['image'] (if the item has one: one value or a list) into item.image."""
     for i, it in enumerate(items):
-        if "image" in it.meta:
-            it.image = decode_image(it.meta["image"], base, f"{rows_where} row {i + 1}")
-            if not isinstance(it.meta["image"], str):  # a PIL image is not JSON: keep a PNG data URI instead
-                it.meta["image"] = png_data_uri(it.image)
+        if "image" not in it.meta:
+            continue
+        value, where = it.meta["image"], f"{rows_where} row {i + 1}"
+        if isinstance(value, list):
+            if not value:
+                raise DataError(f"{where}: 'image' is an empty list")
+            it.image = [decode_image(v, base, f"{where} image {j + 1}") for j, v in enumerate(value)]
+            it.meta["image"] = [v if isinstance(v, str) else png_data_uri(px) for v, px in zip(value, it.image)]
+            continue
+        it.image = decode_image(value, base, where)
+        if not isinstance(value, str):  # a PIL image is not JSON: keep a PNG data URI instead
+            it.meta["image"] = png_data_uri(it.image)
+
+
+def first_image(image):
+    """What a reward sees as a sample's media: the prompt's image, the first of several, or None."""
+    return image[0] if isinstance(image, list) else image
 
 
 def png_data_uri(pixels: np.ndarray, longest: int | None = None) -> str:

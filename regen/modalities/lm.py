@@ -21,6 +21,7 @@ import torch
 from regen.algorithms import ADVANTAGES, POLICY_LOSSES, advantage_kwargs, overlong_penalty
 from regen.algorithms.gae import explained_variance, token_advantages
 from regen.algorithms.losses import batch_denominators
+from regen.data.images import first_image
 from regen.errors import UserError
 from regen.modalities.base import Advantages, Modality
 from regen.modalities.lm_eval import run_eval
@@ -194,7 +195,7 @@ class LMModality(Modality):
         n, finished = self.cfg.rollout.group_size, batch.finished.tolist()
         # a VLM's prompt image reaches the rewards as the sample's media (and its 'image' value as meta)
         return [Sample(items[i // n].prompt, batch.completions[i], {**items[i // n].meta, **batch.row_meta(i)},
-                       finished[i], items[i // n].image) for i in range(len(batch.completions))]
+                       finished[i], first_image(items[i // n].image)) for i in range(len(batch.completions))]
 
     def shape_rewards(self, rewards: torch.Tensor, parts: dict, batch: LMRollout) -> tuple[torch.Tensor, dict]:
         """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13) added to the reward."""

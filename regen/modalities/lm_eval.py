@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from regen.data import PromptItem
-from regen.data.images import THUMB, png_data_uri
+from regen.data.images import THUMB, first_image, png_data_uri
 from regen.rewards import CombinedReward, Sample
 from regen.rewards.builtin import exact_match
 from regen.runtime import dist
@@ -56,7 +56,7 @@ def evaluate_with_samples(
         ro = policy.sample(policy.inputs(chunk), n, temperature, top_p, max_new_tokens, gen, greedy=greedy)
         fin = ro.finished.tolist()
         samples += [Sample(chunk[i // n].prompt, ro.completions[i], {**chunk[i // n].meta, **ro.row_meta(i)}, fin[i],
-                           chunk[i // n].image) for i in range(len(fin))]
+                           first_image(chunk[i // n].image)) for i in range(len(fin))]
     out = {"length": sum(len(s.completion) for s in samples) / max(len(samples), 1)}
     correct = exact_match(samples)
     if items and all("answer" in it.meta for it in items):

@@ -14,7 +14,9 @@ from regen.errors import DataError
 from regen.modalities.lm_eval import run_eval
 from regen.offline.books import Model, OfflineRun
 from regen.policies.lm import LMPolicy, configure_prompts, load_model_and_tokenizer, max_positions, resolve_device
-from regen.policies.vlm import VisionPrompt, check_trainable, encode, is_processor, select_vision
+from regen.policies.vlm import VisionPrompt, check_trainable, encode, is_processor
+from regen.policies.vlm_inputs import VisionInputs
+from regen.policies.vlm_packed import is_packed, model_positions, rope_positions
 from regen.quality import Quality, gates
 from regen.runtime import checkpoint as ckpt
 from regen.runtime.loggers import require as require_loggers
@@ -33,7 +35,7 @@ def encode_demos(demos: list[Demo], tok, max_len: int) -> tuple[torch.Tensor, to
         rows = [_segments(d.segments, tok) for d in demos]
     else:
         if is_processor(tok):  # one batched call; each row's left padding dropped again
-            text, _ = encode(tok, [VisionPrompt(d.prompt, _image_of(d)) for d in demos], True, "cpu")
+            text, _ = encode(tok, [VisionPrompt(d.prompt, _image_of(d, tok)) for d in demos], True, "cpu")
             p_ids = [ids[m.bool()].tolist() for ids, m in zip(text["input_ids"], text["attention_mask"])]
             tok = tok.tokenizer
         else:
@@ -63,17 +65,28 @@ def _segments(pieces: list[tuple[str, bool]], tok) -> tuple[list[int], list[int]
     return ids, labels
 
 
-def _image_of(d: Demo):
-    if d.image is None:
+def _image_of(d: Demo, tok=None):
+    if d.image is None and not getattr(tok, "reads_no_image", False):
         raise DataError(f"data.train: the model reads images but demonstration '{d.prompt[:60]}' has no 'image'")
     return d.image
 
 
-def demo_vision(demos: list[Demo], tok, device) -> dict:
-    """The demonstrations' image inputs (pixel_values) of a VLM's processor; {} for text."""
+def demo_vision(demos: list[Demo], tok, device) -> VisionInputs | None:
+    """The demonstrations' image inputs (pixel_values, ...) of a VLM's processor, per row; None for text."""
     if not is_processor(tok):
+        return None
+    return encode(tok, [VisionPrompt(d.prompt, _image_of(d, tok)) for d in demos], True, device)[1]
+
+
+def forward_args(model, ids: torch.Tensor, mask: torch.Tensor, vision: VisionInputs | None, rows) -> dict:
+    """Keyword arguments of the forward over these (right-padded) rows: their images, and for an
+    M-RoPE model (the Qwen-VL families) the positions the sampler gives the same tokens."""
+    if vision is None:
         return {}
-    return encode(tok, [VisionPrompt(d.prompt, _image_of(d)) for d in demos], True, device)[1]
+    images = vision.kwargs(rows)
+    if not is_packed(model):
+        return images
+    return {**images, "position_ids": model_positions(rope_positions(model, ids, mask, images))}
 
 
 def sft(cfg: SFTConfig, resume: bool = False, force: bool = False) -> dict:
@@ -119,7 +132,8 @@ def sft(cfg: SFTConfig, resume: bool = False, force: bool = False) -> dict:
         part, _ = run.mine(idx)  # this rank's rows (all of them in one process)
         width = int(mask[part].sum(1).max())  # trim the rows to the longest (right padding)
         b_ids, b_mask, b_lab = ids[part, :width], mask[part, :width], labels[part, :width]
-        logits = policy.model(input_ids=b_ids, attention_mask=b_mask, **select_vision(vision, part)).logits
+        logits = policy.model(input_ids=b_ids, attention_mask=b_mask,
+                              **forward_args(policy.model, b_ids, b_mask, vision, part)).logits
         # position t predicts token t+1; the mean over the completion tokens of the whole batch (of every rank)
         tokens = (labels[idx, 1:] != IGNORE).sum().clamp(min=1)
         loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), b_lab[:, 1:].flatten(), ignore_index=IGNORE,

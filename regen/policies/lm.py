@@ -25,13 +25,9 @@ from regen.policies.lm_load import (  # noqa: F401  (re-exported: regen.policies
     resolve_device,
 )
 from regen.policies.lm_rollout import LMRollout, concat_rollouts  # noqa: F401  (re-exported)
-from regen.policies.vlm import (
-    VisionPrompt,
-    encode,
-    image_token_ids,
-    is_processor,
-    select_vision,
-)
+from regen.policies.vlm import VisionPrompt, encode, image_token_ids, is_processor
+from regen.policies.vlm_inputs import VisionInputs
+from regen.policies.vlm_packed import is_packed, model_positions, rope_positions
 
 
 def stop_ids(model, tokenizer, extra: list[str] = ()) -> list[int]:
@@ -97,18 +93,23 @@ class LMPolicy:
                                 "vision_config): use a vision-language model, or drop the images")
             return [it.prompt for it in items]
         missing = [i for i, it in enumerate(items) if it.image is None]
-        if missing:
+        if missing and not getattr(self.processor, "reads_no_image", False):  # Qwen-VL: images optional
             raise DataError(f"the model reads images but prompt '{items[missing[0]].prompt[:60]}' has no 'image' "
                             f"({len(missing)} of {len(items)} prompts here)")
         return [VisionPrompt(it.prompt, it.image) for it in items]
 
-    def encode(self, prompts: list) -> tuple[dict, dict]:
-        """(input_ids / attention_mask left-padded, vision inputs: {} for text) on the device."""
+    def encode(self, prompts: list) -> tuple[dict, VisionInputs | None]:
+        """(input_ids / attention_mask left-padded, and position_ids (B, 3, P) for an M-RoPE model;
+        image inputs per row: None for text) on the device."""
         if self.processor is not None:
-            return encode(self.processor, prompts, self.add_special_tokens, self.device)
+            text, vision = encode(self.processor, prompts, self.add_special_tokens, self.device)
+            if is_packed(self.model):
+                text["position_ids"] = rope_positions(self.model, text["input_ids"], text["attention_mask"],
+                                                      vision.kwargs())
+            return text, vision
         enc = self.tokenizer(prompts, padding=True, padding_side="left", return_tensors="pt",
                              add_special_tokens=self.add_special_tokens)
-        return {k: enc[k].to(self.device) for k in ("input_ids", "attention_mask")}, {}
+        return {k: enc[k].to(self.device) for k in ("input_ids", "attention_mask")}, None
 
     def ban(self, logits: torch.Tensor) -> torch.Tensor:
         return logits.index_fill(-1, self.banned, float("-inf")) if len(self.banned) else logits
@@ -142,15 +143,19 @@ class LMPolicy:
         prompt_mask = enc["attention_mask"]
         cache_arg = _cache_arg(model)
         # Each prompt (and its image) is encoded once and its KV cache repeated n times: the group shares it.
-        p_pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
-        out = model(input_ids=enc["input_ids"], attention_mask=prompt_mask, position_ids=p_pos, use_cache=True,
-                    **vision)
+        p_pos = enc.get("position_ids")  # M-RoPE (B, 3, P), else the plain text positions
+        if p_pos is None:
+            p_pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+        out = model(input_ids=enc["input_ids"], attention_mask=prompt_mask, position_ids=model_positions(p_pos),
+                    use_cache=True, **_vision_args(vision))
         past, logits = _cache_of(out), self.ban(out.logits[:, -1]).repeat_interleave(n, 0)
         past.batch_repeat_interleave(n)
         prompt_ids = enc["input_ids"].repeat_interleave(n, 0)
         mask = prompt_mask.repeat_interleave(n, 0)
         B, P = prompt_ids.shape
-        next_pos = p_pos[:, -1:].repeat_interleave(n, 0) + 1
+        # a response continues at the prompt's largest position + 1 (on every M-RoPE axis)
+        next_pos = (p_pos.flatten(1).amax(1) + 1).repeat_interleave(n, 0)[:, None]
+        rope = p_pos.dim() == 3
         done = torch.zeros(B, dtype=torch.bool, device=self.device)
         if uniforms is None and not greedy:
             uniforms = torch.rand(B, max_new_tokens, generator=generator, device=generator.device)
@@ -166,8 +171,8 @@ class LMPolicy:
                 break
             mask = torch.cat([mask, mask.new_ones(B, 1)], 1)
             out = model(
-                input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos, use_cache=True,
-                **{cache_arg: past},
+                input_ids=tok[:, None], attention_mask=mask, use_cache=True, **{cache_arg: past},
+                position_ids=next_pos[None].expand(3, -1, -1) if rope else next_pos,
             )
             past, logits = _cache_of(out), self.ban(out.logits[:, -1])
             next_pos = next_pos + 1
@@ -188,7 +193,8 @@ class LMPolicy:
             prompt_width=P,
             completions=completions,
             behaviour_logp=torch.stack(logps, 1) * response_mask if with_logp else None,
-            vision={k: v.repeat_interleave(n, 0) for k, v in vision.items()} or None,
+            vision=None if vision is None else vision.repeat(n),
+            rope=p_pos.repeat_interleave(n, 0) if rope else None,
         )
 
     # ---------------------------------------------------------------- scoring
@@ -222,7 +228,7 @@ class LMPolicy:
             logits = _shared_prefix_logits(model, batch, group_size)
         else:
             out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                        position_ids=batch.position_ids, **(batch.vision or {}))
+                        position_ids=model_positions(batch.position_ids), **_vision_args(batch.vision))
             logits = out.logits[:, batch.prompt_width - 1 : -1]  # position t predicts token t+1
         logp_all = F.log_softmax(self.ban(logits.float()) / temperature, -1)
         logp = logp_all.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)
@@ -281,7 +287,8 @@ def _shared_prefix_logits(model, batch: LMRollout, n: int) -> torch.Tensor:
         rep = rows[torch.empty_like(uniq).scatter_(0, inv, torch.arange(len(rows), device=rows.device))]
         # the prompt, and its image through the vision tower, once per group
         out = model(input_ids=batch.input_ids[rep, :P], attention_mask=batch.attention_mask[rep, :P],
-                    position_ids=pos[rep, :P], use_cache=L > 1, **select_vision(batch.vision, rep))
+                    position_ids=model_positions(pos[rep][..., :P]), use_cache=L > 1,
+                    **_vision_args(batch.vision, rep))
         # index_select, not logits[inv] / Cache.batch_select_indices: the backward of advanced indexing
         # with repeated indices (index_put_ with accumulate) adds in a thread-dependent order on CPU, so two
         # identical runs at 2 threads drifted apart in the 8th digit; index_select's backward does not
@@ -291,7 +298,8 @@ def _shared_prefix_logits(model, batch: LMRollout, n: int) -> torch.Tensor:
             _select_cache_rows(cache, inv)  # one cache row per sample, sharing its prompt's keys/values
             rest = model(input_ids=batch.input_ids[rows, P : P + L - 1],
                          attention_mask=batch.attention_mask[rows, : P + L - 1],
-                         position_ids=pos[rows, P : P + L - 1], use_cache=True, **{cache_arg: cache}).logits
+                         position_ids=model_positions(pos[rows][..., P : P + L - 1]), use_cache=True,
+                         **{cache_arg: cache}).logits
             logits = torch.cat([logits, rest], 1)
         pieces.append((rows, logits))
     full = pieces[0][1].new_zeros(B, T, pieces[0][1].shape[-1])
@@ -321,6 +329,11 @@ def _length_buckets(lengths: torch.Tensor) -> list[torch.Tensor]:
     if best_k == B:
         return [torch.arange(B, device=lengths.device)]
     return [order[:best_k], order[best_k:]]
+
+
+def _vision_args(vision: VisionInputs | None, rows=None) -> dict:
+    """The image inputs of rows `rows` (all for None) as forward keyword arguments; {} for text."""
+    return {} if vision is None else vision.kwargs(rows)
 
 
 def _cache_arg(model) -> str:

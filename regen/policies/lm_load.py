@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from regen.errors import UserError
-from regen.policies.vlm import LANGUAGE_LORA_TARGETS, is_processor, is_vlm_folder, load_vlm
+from regen.policies.vlm import LANGUAGE_LORA_TARGETS, is_processor, is_vlm_folder, load_processor, load_vlm
 
 
 def max_positions(model) -> int:
@@ -96,10 +96,10 @@ def apply_lora(model, lora_cfg, adapter_dir: Path | None = None):
 def load_tokenizer(model_cfg, task_cfg):
     """The tokenizer of model.path (a vision-language model's processor), or of a built-in recipe,
     without loading the weights."""
-    if model_cfg.init == "shapes-vlm":
+    if model_cfg.init in ("shapes-vlm", "shapes-qwen-vl"):
         from regen.tasks.shapes_vqa import build_processor
 
-        return build_processor()
+        return build_processor(qwen=model_cfg.init == "shapes-qwen-vl")
     if model_cfg.init is not None:
         from regen.tasks.arithmetic import build_tokenizer
 
@@ -109,7 +109,7 @@ def load_tokenizer(model_cfg, task_cfg):
     p = Path(model_cfg.path).expanduser()
     try:
         if p.exists() and is_vlm_folder(p):
-            return AutoProcessor.from_pretrained(str(p))
+            return load_processor(str(p))
         return AutoTokenizer.from_pretrained(str(p) if p.exists() else model_cfg.path)
     except (OSError, ValueError) as e:
         raise UserError(f"model.path: cannot load the tokenizer of '{model_cfg.path}': {str(e).splitlines()[0]}") \

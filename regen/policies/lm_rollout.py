@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from regen.policies.vlm_inputs import VisionInputs
+
 
 @dataclass
 class LMRollout:
@@ -21,10 +23,12 @@ class LMRollout:
     completions: list[str]  # (B,) decoded responses, EOS and padding removed
     version: torch.Tensor | None = None  # (B,) long: weight version that sampled each row (rollout workers)
     behaviour_logp: torch.Tensor | None = None  # (B, T) log-probs under the sampling weights (rollout workers)
-    vision: dict[str, torch.Tensor] | None = None  # vision-language models: per-row image inputs (pixel_values)
+    vision: VisionInputs | None = None  # vision-language models: each row's image inputs (pixel_values, ...)
     # multi-turn episodes (regen/policies/lm_episodes.py): per row, its turns, observations, reward and tool counts;
     # the response region then interleaves turns and observations, response_mask marking the model's tokens only
     episodes: list[dict] | None = None
+    # M-RoPE models (the Qwen-VL families, regen/policies/vlm_packed.py): each prompt's 3-axis positions (B, 3, P)
+    rope: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.completions)
@@ -42,8 +46,18 @@ class LMRollout:
         return self.input_ids[:, self.prompt_width :]
 
     @property
-    def position_ids(self) -> torch.Tensor:  # (B, P+T): left padding must not shift positions
-        return (self.attention_mask.cumsum(-1) - 1).clamp(min=0)
+    def position_ids(self) -> torch.Tensor:
+        """(B, P+T): left padding must not shift positions. M-RoPE: (B, 3, P+T), the prompt's own
+        positions, then text positions shifted by the row's offset (largest prompt position + 1 -
+        prompt length), as the sampler continued them."""
+        pos = (self.attention_mask.cumsum(-1) - 1).clamp(min=0)
+        if self.rope is None:
+            return pos
+        P = self.prompt_width
+        delta = self.rope.flatten(1).amax(1) + 1 - self.attention_mask[:, :P].sum(1)
+        full = (pos + delta[:, None])[:, None, :].repeat(1, 3, 1)
+        full[:, :, :P] = self.rope
+        return full
 
     def select(self, idx: torch.Tensor) -> LMRollout:
         keep = idx.tolist()
@@ -56,8 +70,9 @@ class LMRollout:
             [self.completions[i] for i in keep],
             None if self.version is None else self.version[idx.cpu()],
             None if self.behaviour_logp is None else self.behaviour_logp[idx.to(self.behaviour_logp.device)],
-            None if self.vision is None else {k: v[idx.to(v.device)] for k, v in self.vision.items()},
+            None if self.vision is None else self.vision.select(keep),
             None if self.episodes is None else [self.episodes[i] for i in keep],
+            None if self.rope is None else self.rope[idx.to(self.rope.device)],
         )
 
     def to(self, device) -> LMRollout:
@@ -65,8 +80,8 @@ class LMRollout:
         return LMRollout(self.input_ids.to(device), self.attention_mask.to(device), self.response_mask.to(device),
                          self.finished.to(device), self.prompt_width, self.completions, self.version,
                          None if self.behaviour_logp is None else self.behaviour_logp.to(device),
-                         None if self.vision is None else {k: v.to(device) for k, v in self.vision.items()},
-                         self.episodes)
+                         None if self.vision is None else self.vision.to(device),
+                         self.episodes, None if self.rope is None else self.rope.to(device))
 
 
 def concat_rollouts(parts: list[LMRollout], pad_id: int) -> LMRollout:
@@ -87,8 +102,8 @@ def concat_rollouts(parts: list[LMRollout], pad_id: int) -> LMRollout:
     versions = None if any(p.version is None for p in parts) else torch.cat([p.version for p in parts])
     behaviour = None if any(p.behaviour_logp is None for p in parts) else \
         torch.cat([F.pad(p.behaviour_logp, (0, T - p.behaviour_logp.shape[1])) for p in parts])
-    vision = None if parts[0].vision is None else \
-        {k: torch.cat([p.vision[k].to(parts[0].vision[k].device) for p in parts]) for k in parts[0].vision}
+    vision = None if parts[0].vision is None else VisionInputs.cat([p.vision for p in parts])
     episodes = None if parts[0].episodes is None else [e for p in parts for e in p.episodes]
+    rope = None if parts[0].rope is None else torch.cat([F.pad(p.rope, (P - p.prompt_width, 0)) for p in parts])
     return LMRollout(torch.cat(ids), torch.cat(att), torch.cat(resp_mask), torch.cat([p.finished for p in parts]),
-                     P, [c for p in parts for c in p.completions], versions, behaviour, vision, episodes)
+                     P, [c for p in parts for c in p.completions], versions, behaviour, vision, episodes, rope)

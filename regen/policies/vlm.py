@@ -23,6 +23,8 @@ import torch
 
 from regen.data.chat import is_processor  # noqa: F401  (re-exported)
 from regen.errors import DataError, UserError
+from regen.policies.vlm_inputs import VisionInputs
+from regen.policies.vlm_packed import PACKED_FAMILIES, PackedProcessor
 
 # parameter-name pieces of the vision side (LLaVA: vision_tower; Qwen2-VL: visual; others: vision_model)
 VISION_PARTS = ("vision_tower.", "visual.", "vision_model.")
@@ -32,10 +34,15 @@ LANGUAGE_LORA_TARGETS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj)"
 
 @dataclass
 class VisionPrompt:
-    """One prompt of a vision-language model: its text and its image's pixels (uint8 H x W x 3)."""
+    """One prompt of a vision-language model: its text and its image's pixels (uint8 H x W x 3),
+    a list of images (several per prompt), or None (a prompt without image; Qwen-VL families only)."""
 
     text: str
-    image: np.ndarray
+    image: np.ndarray | list | None
+
+    @property
+    def images(self) -> list:
+        return [] if self.image is None else list(self.image) if isinstance(self.image, list) else [self.image]
 
 
 def is_vlm_folder(path: Path) -> bool:
@@ -47,18 +54,35 @@ def is_vlm_folder(path: Path) -> bool:
     return "vision_config" in cfg
 
 
-def load_vlm(path: str, dtype):
-    """(model, processor) of a local VLM folder; UserError naming what is missing."""
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
+def model_type(path: Path) -> str | None:
     try:
-        proc = AutoProcessor.from_pretrained(path)
+        return json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return None
+
+
+def load_processor(path: str):
+    """The processor of a local VLM folder (the Qwen-VL families: regen's image-only one,
+    regen/policies/vlm_packed.py); UserError naming what is missing."""
+    from transformers import AutoProcessor
+
+    packed = model_type(Path(path)) in PACKED_FAMILIES
+    try:
+        proc = PackedProcessor.from_pretrained(path) if packed else AutoProcessor.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise UserError(f"model.path: '{path}' is a vision-language model but its processor does not load "
                         f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}); save it "
                         "with processor.save_pretrained into the same folder") from None
     if not is_processor(proc):
         raise UserError(f"model.path: '{path}' has a vision config but no image processor (preprocessor_config.json)")
+    return proc
+
+
+def load_vlm(path: str, dtype):
+    """(model, processor) of a local VLM folder; UserError naming what is missing."""
+    from transformers import AutoModelForImageTextToText
+
+    proc = load_processor(path)
     try:
         model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
     except (OSError, ValueError) as e:
@@ -77,28 +101,32 @@ def image_token_ids(processor) -> list[int]:
     return sorted(i for i in ids if i is not None and i != tok.unk_token_id)
 
 
-def encode(processor, prompts: list[VisionPrompt], add_special_tokens: bool, device) -> tuple[dict, dict]:
-    """(text inputs: input_ids / attention_mask, vision inputs: per-prompt tensors such as
-    pixel_values), left-padded. A prompt without the image token gets one in front."""
+def encode(processor, prompts: list[VisionPrompt], add_special_tokens: bool, device) -> tuple[dict, VisionInputs]:
+    """(text inputs: input_ids / attention_mask, left-padded; image inputs per row). A prompt
+    without the image token gets one in front per image."""
+    if isinstance(processor, PackedProcessor):
+        mark = processor.image_marker()
+        texts = [p.text if processor.image_token in p.text else mark * len(p.images) + p.text for p in prompts]
+        text, vision = processor.encode(texts, [p.images for p in prompts], add_special_tokens)
+        return {k: v.to(device) for k, v in text.items()}, vision.to(device)
     img_tok = processor.image_token
     texts = [p.text if img_tok in p.text else f"{img_tok} {p.text}" for p in prompts]
+    if any(len(p.images) != 1 for p in prompts):
+        raise DataError("this model (LLaVA-style) reads exactly one image per prompt; a prompt here has "
+                        f"{next(len(p.images) for p in prompts if len(p.images) != 1)}")
     try:
-        enc = processor(images=[p.image for p in prompts], text=texts, padding=True, padding_side="left",
+        enc = processor(images=[p.images[0] for p in prompts], text=texts, padding=True, padding_side="left",
                         return_tensors="pt", add_special_tokens=add_special_tokens)
     except ValueError as e:
         raise DataError(f"the processor refused a prompt's image: {e}") from None
     text = {k: enc[k].to(device) for k in ("input_ids", "attention_mask")}
-    vision = {k: v.to(device) for k, v in enc.items() if k not in text and torch.is_tensor(v)}
-    for k, v in vision.items():
-        if v.shape[0] != len(prompts):  # Qwen2-VL packs every image's patches into one tensor
+    tensors = {k: v.to(device) for k, v in enc.items() if k not in text and torch.is_tensor(v)}
+    for k, v in tensors.items():
+        if v.shape[0] != len(prompts):
             raise UserError(f"model.path: the processor's '{k}' is packed across images ({tuple(v.shape)} for "
-                            f"{len(prompts)} prompts); regen supports VLMs with one '{k}' row per image (LLaVA-style)")
-    return text, vision
-
-
-def select_vision(vision: dict | None, rows) -> dict:
-    """The vision inputs of some rows, as keyword arguments of the model's forward."""
-    return {} if not vision else {k: v[rows] for k, v in vision.items()}
+                            f"{len(prompts)} prompts); regen reads packed inputs only for the "
+                            f"{', '.join(PACKED_FAMILIES)} families")
+    return text, VisionInputs.split(len(prompts), tensors, {k: [1] * len(prompts) for k in tensors})
 
 
 def check_trainable(model, model_cfg) -> None:

@@ -64,14 +64,24 @@ def demonstrations(noise: float) -> list[Demo]:
     return demos
 
 
-def build_processor():
-    """A LlavaProcessor: CLIP-style image processing of 16x16 RGB and a word-level tokenizer."""
+def words() -> list[str]:
+    return sorted({w for text in QUESTIONS.values() for w in text.split()} | {a for v in ANSWERS.values() for a in v})
+
+
+def build_processor(qwen: bool = False):
+    """A LlavaProcessor: CLIP-style image processing of 16x16 RGB and a word-level tokenizer; qwen:
+    the Qwen-VL families' tokenizer and image processor (regen/tasks/tiny_vlms.py) instead."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlavaProcessor, PreTrainedTokenizerFast
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
-    words = sorted({w for text in QUESTIONS.values() for w in text.split()} | {a for v in ANSWERS.values() for a in v})
-    vocab = {t: i for i, t in enumerate(SPECIALS + words)}
+    if qwen:
+        from regen.policies.vlm_packed import PackedProcessor
+        from regen.tasks import tiny_vlms
+
+        return PackedProcessor(tiny_vlms.qwen_tokenizer(words()), tiny_vlms.image_processor(shapes.RES))
+    words_ = words()
+    vocab = {t: i for i, t in enumerate(SPECIALS + words_)}
     tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tk.decoder = decoders.WordPiece()  # joins words with single spaces
@@ -99,6 +109,16 @@ def build_model(seed: int, digits: int = 0):
                          vision_feature_select_strategy="default", vision_feature_layer=-1)
     torch.manual_seed(seed)
     return LlavaForConditionalGeneration(config), proc
+
+
+def build_qwen_model(seed: int, digits: int = 0):
+    """A tiny Qwen2.5-VL (1-block vision tower on 4x4 patches merged 2x2, 2-layer language model of
+    width 64; regen/tasks/tiny_vlms.py) from random init, and its processor."""
+    from regen.policies.vlm_packed import PackedProcessor
+    from regen.tasks import tiny_vlms
+
+    model, tok, images = tiny_vlms.build("qwen2_5_vl", words(), seed)
+    return model, PackedProcessor(tok, images)
 
 
 # builtin:shapes-vqa (regen/data BUILTIN)

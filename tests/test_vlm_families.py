@@ -1,0 +1,165 @@
+"""The Qwen-VL families (Qwen2-VL, Qwen2.5-VL, Qwen3-VL; regen/policies/vlm_packed.py), each a
+tiny model built from its real transformers classes (regen/tasks/tiny_vlms.py) and loaded through
+from_pretrained: packed image inputs, several images or none per prompt, M-RoPE positions that
+match the model's own, the first on-policy ratio exactly 1, SFT labels on the answer only, export
+loadable by plain transformers, and short SFT / GRPO runs."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from regen.cli import main
+from regen.tasks import shapes_vqa, tiny_vlms
+from tests.conftest import VLM_FAST, read_jsonl
+
+FAMILIES = tiny_vlms.FAMILIES
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory) -> dict:
+    """One untrained tiny checkpoint folder per family, over the shapes-vqa words."""
+    out = {}
+    for fam in FAMILIES:
+        folder = tmp_path_factory.mktemp(fam)
+        tiny_vlms.save(fam, folder, shapes_vqa.words(), seed=0)
+        out[fam] = str(folder)
+    return out
+
+
+def load_policy(folder: str):
+    from regen.config import ModelConfig
+    from regen.policies.lm import LMPolicy, load_model_and_tokenizer
+
+    model, proc = load_model_and_tokenizer(ModelConfig(path=folder), None, 0)
+    return LMPolicy(model, proc, torch.device("cpu"))
+
+
+def mixed_prompts():
+    """One image; two images of different sizes (so different patch grids); no image at all."""
+    from regen.policies.vlm import VisionPrompt
+
+    rng = np.random.default_rng(0)
+
+    def im(h=16, w=16):
+        return rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+    return [VisionPrompt("what colour is the shape ?", im()),
+            VisionPrompt("where is the shape ?", [im(), im(24, 16)]),
+            VisionPrompt("what shape is it ?", None)]
+
+
+def banned_logp(policy, logits, tokens):
+    logits = logits.float().index_fill(-1, policy.banned, float("-inf"))
+    return F.log_softmax(logits, -1).gather(-1, tokens[..., None])[..., 0]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sampling_and_rescoring_agree_and_use_the_models_own_3d_positions(family, family_dirs):
+    policy = load_policy(family_dirs[family])
+    model = policy.model
+    ro = policy.sample(mixed_prompts(), 3, 1.0, 1.0, 6, torch.Generator().manual_seed(0), with_logp=True)
+    assert ro.rope is not None and ro.rope.shape[:2] == (9, 3)
+    assert len(ro.vision.kwargs()["image_grid_thw"]) == 3 * 3  # 3 images (1 + 2 + 0 per prompt) x 3 samples
+    mask = ro.response_mask.bool()
+    # the first on-policy update's ratio is exactly 1: rescoring (per row, and per group) gives the sampler's log-probs
+    for group in (1, 3):
+        logp, _ = policy.token_logprobs(ro, 1.0, group_size=group)
+        assert (logp - ro.behaviour_logp)[mask].abs().max() < 1e-5
+    # an independent check of the positions: the model computing its own M-RoPE positions over the whole
+    # sequence (from mm_token_type_ids, as transformers' processor would give them) scores the same tokens
+    ids, att, vision = ro.input_ids, ro.attention_mask, ro.vision.kwargs()
+    types = (ids == model.config.image_token_id).int()
+    own = model(input_ids=ids, attention_mask=att, mm_token_type_ids=types, **vision).logits
+    P = ro.prompt_width
+    own_logp = banned_logp(policy, own[:, P - 1 : -1], ro.response_ids)
+    assert (own_logp - ro.behaviour_logp)[mask].abs().max() < 1e-5
+    # ...and plain 1-D positions do not (what a sampler that ignored M-RoPE would score): the check can fail
+    plain = model(input_ids=ids, attention_mask=att, position_ids=(att.cumsum(-1) - 1).clamp(min=0), **vision).logits
+    plain_logp = banned_logp(policy, plain[:, P - 1 : -1], ro.response_ids)
+    with_images = torch.tensor([True] * 6 + [False] * 3)
+    assert (plain_logp - ro.behaviour_logp)[mask & with_images[:, None]].abs().max() > 1e-3
+    # the image-less prompt's rows are plain text on all three axes
+    assert torch.equal(ro.position_ids[6:, 0], ro.position_ids[6:, 2])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_export_loads_in_plain_transformers_with_the_same_logits(family, family_dirs, tmp_path):
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    policy = load_policy(family_dirs[family])
+    with torch.no_grad():  # move the weights, so the check is not passed by an untouched copy
+        for p in policy.model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    policy.export(tmp_path / "export")
+    model = AutoModelForImageTextToText.from_pretrained(tmp_path / "export")
+    tok, images = AutoTokenizer.from_pretrained(tmp_path / "export"), AutoImageProcessor.from_pretrained(tmp_path / "export")
+    assert type(model) is type(policy.model) and model.config.model_type == family
+    # the inputs built with plain transformers pieces: the image processor, and one image token per merged patch
+    pixels = mixed_prompts()[0].image
+    enc_img = images(images=[pixels], return_tensors="pt")
+    n = int(enc_img["image_grid_thw"].prod()) // images.merge_size**2
+    text = "<|vision_start|>" + "<|image_pad|>" * n + "<|vision_end|>what colour is the shape ?"
+    ids = tok([text], return_tensors="pt")["input_ids"]
+    types = (ids == model.config.image_token_id).int()
+    got = model(input_ids=ids, mm_token_type_ids=types, **enc_img).logits
+    want = policy.model(input_ids=ids, mm_token_type_ids=types, **enc_img).logits
+    assert (got - want).abs().max() < 1e-5
+    # and regen's own encoding of the same prompt is that token sequence
+    enc, _ = policy.encode(mixed_prompts()[:1])
+    assert enc["input_ids"].tolist() == ids.tolist()
+
+
+def test_sft_labels_only_the_answer_and_its_loss_is_the_answers_cross_entropy(family_dirs):
+    from regen.data import Demo
+    from regen.offline.sft import IGNORE, demo_vision, encode_demos, forward_args
+
+    policy = load_policy(family_dirs["qwen2_5_vl"])
+    proc, model = policy.processor, policy.model
+    p = mixed_prompts()
+    demos = [Demo(p[0].text, "red", {}, p[0].image), Demo(p[1].text, "red circle", {}, p[1].image),
+             Demo(p[2].text, "circle", {}, None)]
+    ids, mask, labels = encode_demos(demos, proc, 512)
+    tok = proc.tokenizer
+    for i, d in enumerate(demos):
+        answer = tok(d.completion, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        n = int(mask[i].sum())
+        assert labels[i, n - len(answer) : n].tolist() == answer  # the answer and its EOS...
+        assert (labels[i, : n - len(answer)] == IGNORE).all()  # ...and nothing of the user turn or the image tokens
+    assert (ids == model.config.image_token_id).sum() > 0
+    vision = demo_vision(demos, proc, "cpu")
+    rows = torch.arange(3)
+    logits = model(input_ids=ids, attention_mask=mask, **forward_args(model, ids, mask, vision, rows)).logits
+    # by hand: the mean cross-entropy of each answer token under the logits at the position before it
+    terms = [-(F.log_softmax(logits[i, t - 1].float(), -1)[labels[i, t]])
+             for i in range(3) for t in range(1, ids.shape[1]) if labels[i, t] != IGNORE]
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE)
+    assert loss.item() == pytest.approx(torch.stack(terms).mean().item(), rel=1e-6)
+    assert len(terms) == 2 + 3 + 2  # red+EOS, red circle+EOS, circle+EOS
+
+
+def qwen_run(run, base, *extra) -> int:
+    return main(["train", f"model.path={base}", f"run.dir={run}", *VLM_FAST, *extra])
+
+
+@pytest.fixture(scope="module")
+def qwen_sft(tmp_path_factory) -> str:
+    """The shapes-qwen-vl recipe (a tiny Qwen2.5-VL) after a short SFT through `regen sft`."""
+    run = tmp_path_factory.mktemp("qwen_sft")
+    assert main(["sft", "model.init=shapes-qwen-vl", "data.train=builtin:shapes-vqa:train", "data.eval=null",
+                 f"run.dir={run}", "sft.steps=30", "sft.global_batch_size=32", "optim.lr=2e-3", "log.progress=none",
+                 "log.tensorboard=false", "run.threads=2"]) == 0
+    return str(run / "export")
+
+
+def test_a_qwen_vl_grpo_run_trains_the_language_side_and_keeps_the_vision_tower(qwen_sft, tmp_path):
+    run = tmp_path / "run"
+    assert qwen_run(run, qwen_sft, "train.steps=2", "data.eval=builtin:shapes-vqa:test", "eval.num_prompts=4",
+                    "eval.every=0") == 0
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2]
+    base, after = load_file(f"{qwen_sft}/model.safetensors"), load_file(str(run / "export" / "model.safetensors"))
+    vision = [k for k in base if "visual." in k]  # the checkpoint format keeps the hub's names (visual.*, model.*)
+    assert vision and all(torch.equal(base[k], after[k]) for k in vision)
+    assert any(not torch.equal(base[k], after[k]) for k in base if k not in vision)
