@@ -154,8 +154,8 @@ def test_a_vlm_run_freezes_the_vision_tower_sees_images_and_exports_for_transfor
 
 
 def test_what_the_image_path_cannot_do_is_refused_by_name(vlm_base, base_model, tmp_path, capsys):
-    assert train_vlm(tmp_path / "a", vlm_base, "algorithm.name=ppo") == 2
-    assert "critic is a text model" in capsys.readouterr().err
+    assert train_vlm(tmp_path / "a", vlm_base, "rollout.engine=vllm") == 2
+    assert "regen does not pass images to vLLM yet" in capsys.readouterr().err
     assert train_vlm(tmp_path / "b", vlm_base, "data.train=builtin:arithmetic:train") == 2
     assert "the model reads images but prompt" in capsys.readouterr().err
     assert main(["train", f"model.path={base_model}", f"run.dir={tmp_path / 'c'}", "data.eval=null",
@@ -163,7 +163,7 @@ def test_what_the_image_path_cannot_do_is_refused_by_name(vlm_base, base_model, 
     assert "model.freeze_vision is for vision-language models" in capsys.readouterr().err
     assert main(["train", f"model.path={vlm_base}", f"run.dir={tmp_path / 'd'}", "algorithm.name=dpo",
                  "data.train=builtin:arithmetic:train", "log.progress=none"]) == 2
-    assert "preference pairs with images are not supported" in capsys.readouterr().err
+    assert "the model reads images but the row of prompt" in capsys.readouterr().err  # pairs without images
     assert not (tmp_path / "a").exists() and not (tmp_path / "d").exists()  # refused at the start: no folder left
 
 

@@ -36,18 +36,20 @@ def load_policy(folder: str):
     return LMPolicy(model, proc, torch.device("cpu"))
 
 
-def mixed_prompts():
-    """One image; two images of different sizes (so different patch grids); no image at all."""
+def image(h=16, w=16, seed=0):
+    return np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+def mixed_prompts(family: str = "qwen2_5_vl"):
+    """One image; two images of different sizes (different patch grids, or tile counts); for the
+    Qwen-VL families, which read text-only prompts too, no image at all."""
     from regen.policies.vlm import VisionPrompt
 
-    rng = np.random.default_rng(0)
-
-    def im(h=16, w=16):
-        return rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
-
-    return [VisionPrompt("what colour is the shape ?", im()),
-            VisionPrompt("where is the shape ?", [im(), im(24, 16)]),
-            VisionPrompt("what shape is it ?", None)]
+    third = VisionPrompt("what shape is it ?", None) if family in tiny_vlms.QWEN else \
+        VisionPrompt("what shape is it ?", image(8, 16, seed=3))
+    return [VisionPrompt("what colour is the shape ?", image()),
+            VisionPrompt("where is the shape ?", [image(seed=1), image(24 if family in tiny_vlms.QWEN else 8, 16, 2)]),
+            third]
 
 
 def banned_logp(policy, logits, tokens):
@@ -56,19 +58,33 @@ def banned_logp(policy, logits, tokens):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_sampling_and_rescoring_agree_and_use_the_models_own_3d_positions(family, family_dirs):
+def test_rescoring_gives_the_samplers_logprobs_also_across_concatenated_batches(family, family_dirs):
+    from regen.policies.lm import concat_rollouts
+
     policy = load_policy(family_dirs[family])
-    model = policy.model
-    ro = policy.sample(mixed_prompts(), 3, 1.0, 1.0, 6, torch.Generator().manual_seed(0), with_logp=True)
-    assert ro.rope is not None and ro.rope.shape[:2] == (9, 3)
-    assert len(ro.vision.kwargs()["image_grid_thw"]) == 3 * 3  # 3 images (1 + 2 + 0 per prompt) x 3 samples
+    g = torch.Generator().manual_seed(0)
+    prompts = mixed_prompts(family)
+    first = policy.sample(prompts[:2], 3, 1.0, 1.0, 6, g, with_logp=True)
+    second = policy.sample(prompts[2:], 3, 1.0, 1.0, 6, g, with_logp=True)  # another prompt width / tile count
+    ro = concat_rollouts([first, second], policy.pad_id)
     mask = ro.response_mask.bool()
     # the first on-policy update's ratio is exactly 1: rescoring (per row, and per group) gives the sampler's log-probs
     for group in (1, 3):
         logp, _ = policy.token_logprobs(ro, 1.0, group_size=group)
         assert (logp - ro.behaviour_logp)[mask].abs().max() < 1e-5
-    # an independent check of the positions: the model computing its own M-RoPE positions over the whole
-    # sequence (from mm_token_type_ids, as transformers' processor would give them) scores the same tokens
+    assert not set(ro.response_ids[mask].tolist()) & set(policy.banned.tolist())  # no image token is ever sampled
+
+
+@pytest.mark.parametrize("family", tiny_vlms.QWEN)
+def test_qwen_vl_positions_are_the_ones_the_model_computes_itself(family, family_dirs):
+    policy = load_policy(family_dirs[family])
+    model = policy.model
+    ro = policy.sample(mixed_prompts(family), 3, 1.0, 1.0, 6, torch.Generator().manual_seed(0), with_logp=True)
+    assert ro.rope is not None and ro.rope.shape[:2] == (9, 3)
+    assert len(ro.vision.kwargs()["image_grid_thw"]) == 3 * 3  # 3 images (1 + 2 + 0 per prompt) x 3 samples
+    mask = ro.response_mask.bool()
+    # the model computing its own M-RoPE positions over the whole sequence (from mm_token_type_ids, as
+    # transformers' processor would give them) scores the sampled tokens as the sampler did
     ids, att, vision = ro.input_ids, ro.attention_mask, ro.vision.kwargs()
     types = (ids == model.config.image_token_id).int()
     own = model(input_ids=ids, attention_mask=att, mm_token_type_ids=types, **vision).logits
@@ -84,9 +100,26 @@ def test_sampling_and_rescoring_agree_and_use_the_models_own_3d_positions(family
     assert torch.equal(ro.position_ids[6:, 0], ro.position_ids[6:, 2])
 
 
+def test_gemma3_image_tokens_attend_both_ways_as_its_processor_marks_them(family_dirs):
+    policy = load_policy(family_dirs["gemma3"])
+    ro = policy.sample(mixed_prompts("gemma3")[:1], 2, 1.0, 1.0, 4, torch.Generator().manual_seed(0), with_logp=True)
+    proc, P, mask = policy.processor, ro.prompt_width, ro.response_mask.bool()
+    enc = proc(images=[[image()]], text=[f"{proc.image_token} what colour is the shape ?"], return_tensors="pt")
+    assert enc["input_ids"].tolist()[0] == ro.input_ids[0, :P][ro.attention_mask[0, :P].bool()].tolist()
+    assert enc["token_type_ids"].sum() == 4  # the processor marks the 4 soft tokens of the image
+    ids = ro.input_ids
+    tt = F.pad(enc["token_type_ids"], (P - enc["token_type_ids"].shape[1], ids.shape[1] - P)).expand(2, -1)
+    kw = dict(input_ids=ids, attention_mask=ro.attention_mask, pixel_values=enc["pixel_values"].expand(2, -1, -1, -1))
+    marked = banned_logp(policy, policy.model(**kw, token_type_ids=tt).logits[:, P - 1 : -1], ro.response_ids)
+    unmarked = banned_logp(policy, policy.model(**kw).logits[:, P - 1 : -1], ro.response_ids)
+    assert (marked - ro.behaviour_logp)[mask].abs().max() < 1e-5
+    # causal-only attention inside the image is another model: 5e-5 apart here (random init), 100x the float noise
+    assert (unmarked - ro.behaviour_logp)[mask].abs().max() > 1e-5
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_export_loads_in_plain_transformers_with_the_same_logits(family, family_dirs, tmp_path):
-    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+    from transformers import AutoModelForImageTextToText
 
     policy = load_policy(family_dirs[family])
     with torch.no_grad():  # move the weights, so the check is not passed by an untouched copy
@@ -94,21 +127,29 @@ def test_export_loads_in_plain_transformers_with_the_same_logits(family, family_
             p.add_(0.01 * torch.randn_like(p))
     policy.export(tmp_path / "export")
     model = AutoModelForImageTextToText.from_pretrained(tmp_path / "export")
-    tok, images = AutoTokenizer.from_pretrained(tmp_path / "export"), AutoImageProcessor.from_pretrained(tmp_path / "export")
     assert type(model) is type(policy.model) and model.config.model_type == family
-    # the inputs built with plain transformers pieces: the image processor, and one image token per merged patch
-    pixels = mixed_prompts()[0].image
-    enc_img = images(images=[pixels], return_tensors="pt")
-    n = int(enc_img["image_grid_thw"].prod()) // images.merge_size**2
-    text = "<|vision_start|>" + "<|image_pad|>" * n + "<|vision_end|>what colour is the shape ?"
-    ids = tok([text], return_tensors="pt")["input_ids"]
-    types = (ids == model.config.image_token_id).int()
-    got = model(input_ids=ids, mm_token_type_ids=types, **enc_img).logits
-    want = policy.model(input_ids=ids, mm_token_type_ids=types, **enc_img).logits
+    enc, vision = policy.encode(mixed_prompts(family)[:1])
+    if family in tiny_vlms.QWEN:  # with the family's own pieces: its image processor, one token per merged patch
+        from transformers import AutoImageProcessor, AutoTokenizer
+
+        tok, images = AutoTokenizer.from_pretrained(tmp_path / "export"), \
+            AutoImageProcessor.from_pretrained(tmp_path / "export")
+        plain = images(images=[image()], return_tensors="pt")
+        n = int(plain["image_grid_thw"].prod()) // images.merge_size**2
+        text = "<|vision_start|>" + "<|image_pad|>" * n + "<|vision_end|>what colour is the shape ?"
+        plain["input_ids"] = tok([text], return_tensors="pt")["input_ids"]
+        plain["mm_token_type_ids"] = (plain["input_ids"] == model.config.image_token_id).int()
+    else:  # the family's processor, as saved
+        from transformers import AutoProcessor
+
+        proc = AutoProcessor.from_pretrained(tmp_path / "export")
+        marker = proc.image_token if family == "gemma3" else "<image>"
+        plain = proc(images=[[image()]], text=[f"{marker} what colour is the shape ?"], return_tensors="pt")
+        plain.pop("attention_mask")
+    assert enc["input_ids"].tolist() == plain["input_ids"].tolist()  # regen encodes the prompt as transformers does
+    got = model(**plain).logits
+    want = policy.model(**plain).logits
     assert (got - want).abs().max() < 1e-5
-    # and regen's own encoding of the same prompt is that token sequence
-    enc, _ = policy.encode(mixed_prompts()[:1])
-    assert enc["input_ids"].tolist() == ids.tolist()
 
 
 def test_sft_labels_only_the_answer_and_its_loss_is_the_answers_cross_entropy(family_dirs):
@@ -117,7 +158,7 @@ def test_sft_labels_only_the_answer_and_its_loss_is_the_answers_cross_entropy(fa
 
     policy = load_policy(family_dirs["qwen2_5_vl"])
     proc, model = policy.processor, policy.model
-    p = mixed_prompts()
+    p = mixed_prompts("qwen2_5_vl")
     demos = [Demo(p[0].text, "red", {}, p[0].image), Demo(p[1].text, "red circle", {}, p[1].image),
              Demo(p[2].text, "circle", {}, None)]
     ids, mask, labels = encode_demos(demos, proc, 512)
@@ -163,3 +204,27 @@ def test_a_qwen_vl_grpo_run_trains_the_language_side_and_keeps_the_vision_tower(
     vision = [k for k in base if "visual." in k]  # the checkpoint format keeps the hub's names (visual.*, model.*)
     assert vision and all(torch.equal(base[k], after[k]) for k in vision)
     assert any(not torch.equal(base[k], after[k]) for k in base if k not in vision)
+
+
+@pytest.mark.parametrize("method", ["dpo", "ppo"])
+def test_dpo_on_image_pairs_and_ppo_with_an_image_reading_critic_run_on_a_qwen_vl(method, qwen_sft, tmp_path):
+    run = tmp_path / method
+    common = ["train.steps=2", "data.eval=builtin:shapes-vqa:test", "eval.num_prompts=8", "eval.every=0"]
+    if method == "dpo":  # offline: no sampling settings (VLM_FAST's are refused as unread)
+        assert main(["train", f"model.path={qwen_sft}", f"run.dir={run}", "algorithm.name=dpo", *common,
+                     "data.train=builtin:shapes-vqa:train", "train.global_minibatch_size=16", "log.progress=none",
+                     "log.tensorboard=false", "run.threads=2", "rollout.max_new_tokens=2"]) == 0
+    else:
+        assert qwen_run(run, qwen_sft, *common, "algorithm.name=ppo", "rollout.group_size=1", "checkpoint.every=1") == 0
+    rows = read_jsonl(run / "metrics.jsonl")
+    if method == "dpo":  # held-out pairs about held-out images, scored before and after
+        assert sum("eval/preference_accuracy" in r for r in rows) == 2
+        assert all(np.isfinite(r["loss"]) for r in rows if "loss" in r)
+    else:  # the critic reads the images: a VLM backbone under a value head, saved beside the policy
+        assert [r["step"] for r in rows if "critic/value_loss" in r] == [1, 2]
+        critic = run / "checkpoints" / "step_00000002" / "critic"
+        assert (critic / "value_head.safetensors").is_file()
+        from transformers import AutoModel
+
+        backbone = AutoModel.from_pretrained(critic)
+        assert type(backbone).__name__ == "Qwen2_5_VLModel"

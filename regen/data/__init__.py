@@ -36,6 +36,7 @@ class PrefPair:
     chosen: str
     rejected: str
     meta: dict[str, Any] = field(default_factory=dict)
+    image: Any = None  # as PromptItem.image: the image(s) both responses answer about
 
 
 # builtin:NAME:SPLIT -> what makes its prompts, demonstrations and preference pairs ("module:function" in
@@ -50,7 +51,7 @@ BUILTIN = {
     "shapes": {"prompts": "regen.tasks.shapes:image_prompts"},  # image prompts, meta = the drawn attributes
     "moving-shapes": {"prompts": "regen.tasks.shapes:video_prompts"},
     "shapes-vqa": {"prompts": "regen.tasks.shapes_vqa:builtin_prompts",  # questions about drawn shapes, with images
-                   "demos": "regen.tasks.shapes_vqa:builtin_demos"},
+                   "demos": "regen.tasks.shapes_vqa:builtin_demos", "pairs": "regen.tasks.shapes_vqa:builtin_pairs"},
     # the shapes prompts in words the painter does not know (joint runs)
     "shapes-paraphrase": {"prompts": "regen.tasks.shapes_paraphrase:builtin_prompts",
                           "demos": "regen.tasks.shapes_paraphrase:builtin_demos"},
@@ -207,10 +208,12 @@ def load_pairs(spec: str, task, where: str, skip_bad: bool = False,
                columns: dict[str, str] | None = None, chat: bool = False) -> list[PrefPair]:
     """Preference pairs: rows with 'prompt', 'chosen', 'rejected' (JSONL or 'hf:DATASET[:SPLIT]'),
     or the built-in arithmetic pairs (chosen = the true sum, rejected = a wrong one). chat: 'messages'
-    (the conversation the two responses answer) may stand for 'prompt' (regen.data.chat.render_pairs)."""
+    (the conversation the two responses answer) may stand for 'prompt' (regen.data.chat.render_pairs).
+    An 'image' field (one or a list) is decoded as a prompt row's is, for a vision-language model."""
     if spec.startswith("builtin:"):
         make, split = _builtin(spec, "pairs")
         return make(split, task)
     rows = read_rows(spec, ("chosen", "rejected") if chat else ("prompt", "chosen", "rejected"), where, skip_bad,
                      columns)
-    return [PrefPair(r.pop("prompt", None), r.pop("chosen"), r.pop("rejected"), r) for r in rows]
+    return _with_images([PrefPair(r.pop("prompt", None), r.pop("chosen"), r.pop("rejected"), r) for r in rows], spec,
+                        where)

@@ -45,6 +45,13 @@ def with_image(msgs: list[dict], image_token: str, count: int = 1) -> list[dict]
                          "content": [{"type": "image"}] * count + [{"type": "text", "text": last["content"]}]}]
 
 
+def _shown(msgs: list[dict], image, tokenizer) -> list[dict]:
+    """The conversation the template renders: a VLM's prompt with its image(s) placed (with_image)."""
+    if image is None or not is_processor(tokenizer):
+        return msgs
+    return with_image(msgs, tokenizer.image_token, len(image) if isinstance(image, list) else 1)
+
+
 def _require_template(tokenizer) -> None:
     if not getattr(tokenizer, "chat_template", None):
         raise UserError("data.chat_template: the model's tokenizer has no chat template (tokenizer_config.json "
@@ -75,9 +82,7 @@ def render(items: list[PromptItem], tokenizer, system_prompt: str | None, where:
     out = []
     for i, it in enumerate(items):
         msgs = _with_system(messages_of(it.prompt, it.meta, where, i), system_prompt)
-        count = len(it.image) if isinstance(it.image, list) else 1
-        shown = with_image(msgs, tokenizer.image_token, count) if it.image is not None and is_processor(tokenizer) \
-            else msgs
+        shown = _shown(msgs, it.image, tokenizer)
         out.append(PromptItem(_template(tokenizer, shown, True, where, i, tools), {**it.meta, "messages": msgs},
                               it.image))
     return out
@@ -138,16 +143,17 @@ def render_pairs(pairs: list, tokenizer, system_prompt: str | None, where: str) 
     out = []
     for i, p in enumerate(pairs):
         msgs = _with_system(messages_of(p.prompt, p.meta, where, i), system_prompt)
-        before = _template(tokenizer, msgs, True, where, i)
+        shown = _shown(msgs, p.image, tokenizer)
+        before = _template(tokenizer, shown, True, where, i)
         answers = []
         for which in (p.chosen, p.rejected):
-            through = _template(tokenizer, [*msgs, {"role": "assistant", "content": which}], False, where, i)
+            through = _template(tokenizer, [*shown, {"role": "assistant", "content": which}], False, where, i)
             if not through.startswith(before) or len(through) == len(before):
                 raise DataError(f"{where}: row {i + 1}: the chat template does not write the assistant's turn after "
                                 "the prompt it renders with add_generation_prompt; render the pairs yourself with "
                                 "data.chat_template: false")
             answers.append(through[len(before):])
-        out.append(PrefPair(before, *answers, {**p.meta, "messages": msgs}))
+        out.append(PrefPair(before, *answers, {**p.meta, "messages": msgs}, p.image))
     return out
 
 

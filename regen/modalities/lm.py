@@ -359,9 +359,6 @@ def load_policy_model(cfg, state: dict | None):
 
 def refuse_for_images(cfg) -> None:
     """What the vision-language path does not do yet: one clear error, before any work."""
-    if cfg.algorithm.advantage == "gae":
-        raise UserError("algorithm.name=ppo: the critic is a text model and cannot read the prompts' images; use "
-                        "grpo, gspo, or advantage rloo / reinforce_pp with a vision-language model")
     if cfg.rollout.engine == "vllm":
         raise UserError("rollout.engine=vllm: regen does not pass images to vLLM yet; use rollout.engine=hf with a "
                         "vision-language model")

@@ -14,39 +14,49 @@ import torch.nn.functional as F
 from regen.algorithms import dpo_loss
 from regen.config import RLConfig
 from regen.data import Demo, EpochSampler, load_pairs, load_prompts
-from regen.errors import UserError
 from regen.modalities.lm_eval import fmt_eval, run_eval
 from regen.offline.books import Model, OfflineRun
-from regen.offline.sft import IGNORE, encode_demos
+from regen.offline.sft import IGNORE, demo_vision, encode_demos, forward_args
 from regen.policies.lm import LMPolicy, apply_lora, configure_prompts, load_model_and_tokenizer, max_positions, resolve_device
-from regen.policies.vlm import check_trainable, is_processor
+from regen.policies.vlm import check_trainable
+from regen.policies.vlm_inputs import VisionInputs
 from regen.quality import Quality, gates
 from regen.runtime import checkpoint as ckpt
 from regen.runtime.loggers import require as require_loggers
 from regen.runtime.rundir import setup_torch
 
 
-def sequence_logprobs(model, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """(N,) sum of log-probs of the labelled (response + EOS) tokens of each row."""
-    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+def sequence_logprobs(model, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor,
+                      vision: VisionInputs | None = None) -> torch.Tensor:
+    """(N,) sum of log-probs of the labelled (response + EOS) tokens of each row; vision: the rows'
+    images (a vision-language model), with the positions its sampler would give them."""
+    logits = model(input_ids=ids, attention_mask=mask, **forward_args(model, ids, mask, vision, None)).logits
+    logits = logits[:, :-1].float()
     target = labels[:, 1:]
     valid = target != IGNORE
     logp = F.log_softmax(logits, -1).gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     return (logp * valid).sum(-1)
 
 
+def rows_of(enc: tuple, idx) -> tuple:
+    """Rows idx of an encoding (ids, mask, labels, images or None)."""
+    ids, mask, labels, vision = enc
+    return ids[idx], mask[idx], labels[idx], None if vision is None else vision.select(idx)
+
+
 @torch.no_grad()
 def _all_logprobs(model, enc, batch: int = 256) -> torch.Tensor:
-    ids, mask, labels = enc
-    return torch.cat([sequence_logprobs(model, ids[i:i + batch], mask[i:i + batch], labels[i:i + batch])
-                      for i in range(0, len(ids), batch)])
+    n = len(enc[0])
+    return torch.cat([sequence_logprobs(model, *rows_of(enc, torch.arange(i, min(i + batch, n))))
+                      for i in range(0, n, batch)])
 
 
 def _encode(pairs, tok, max_len, which: str, device, chat: bool = False):
     # chat: pairs rendered by the template (data.chat_template), which wrote the special tokens and the end of turn
-    demos = [Demo(p.prompt, getattr(p, which), p.meta, segments=[(p.prompt, False), (getattr(p, which), True)]
-                  if chat else None) for p in pairs]
-    return tuple(t.to(device) for t in encode_demos(demos, tok, max_len))
+    demos = [Demo(p.prompt, getattr(p, which), p.meta, p.image,
+                  segments=[(p.prompt, False), (getattr(p, which), True)] if chat else None) for p in pairs]
+    ids, mask, labels = (t.to(device) for t in encode_demos(demos, tok, max_len))
+    return ids, mask, labels, demo_vision(demos, tok, device)
 
 
 def preference_accuracy(model, enc_c, enc_r) -> float:
@@ -67,9 +77,6 @@ def train_dpo(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
     quality = Quality(cfg.eval, "lm", cfg.run.seed)  # a wrong metric setting stops before the run dir
     setup_torch(cfg.run.threads, cfg.run.seed)
     start, tok = load_model_and_tokenizer(cfg.model, cfg.task, cfg.run.seed)
-    if is_processor(tok):  # refused before the run directory is touched
-        raise UserError("algorithm.name=dpo with a vision-language model: preference pairs with images are not "
-                        "supported yet; train it with grpo / gspo on prompts with images")
     check_trainable(start, cfg.model)  # model.freeze_vision: refused on a text model
     if chat:  # the pairs as the model's own template writes them, before the run directory is touched
         from regen.data.chat import render, render_pairs
@@ -113,8 +120,8 @@ def train_dpo(cfg: RLConfig, resume: bool = False, force: bool = False) -> dict:
     def step_fn(step: int):
         idx = torch.tensor(run.data.take(t.global_minibatch_size), device=device)
         part, share = run.mine(idx)  # this rank's pairs and their fraction of the batch
-        pc = sequence_logprobs(policy.model, *(x[part] for x in enc_c))
-        pr = sequence_logprobs(policy.model, *(x[part] for x in enc_r))
+        pc = sequence_logprobs(policy.model, *rows_of(enc_c, part))
+        pr = sequence_logprobs(policy.model, *rows_of(enc_r, part))
         loss, m = dpo_loss(pc, pr, ref_c[part], ref_r[part], a.dpo_beta, a.dpo_label_smoothing, a.dpo_loss)
         return loss * share, {k: v * share for k, v in m.items() if k != "loss"}, len(idx)
 

@@ -14,7 +14,7 @@ from regen.errors import DataError
 from regen.modalities.lm_eval import run_eval
 from regen.offline.books import Model, OfflineRun
 from regen.policies.lm import LMPolicy, configure_prompts, load_model_and_tokenizer, max_positions, resolve_device
-from regen.policies.vlm import VisionPrompt, check_trainable, encode, is_processor
+from regen.policies.vlm import VisionPrompt, check_trainable, encode, image_args, is_processor
 from regen.policies.vlm_inputs import VisionInputs
 from regen.policies.vlm_packed import is_packed, model_positions, rope_positions
 from regen.quality import Quality, gates
@@ -67,7 +67,7 @@ def _segments(pieces: list[tuple[str, bool]], tok) -> tuple[list[int], list[int]
 
 def _image_of(d: Demo, tok=None):
     if d.image is None and not getattr(tok, "reads_no_image", False):
-        raise DataError(f"data.train: the model reads images but demonstration '{d.prompt[:60]}' has no 'image'")
+        raise DataError(f"data.train: the model reads images but the row of prompt '{d.prompt[:60]}' has no 'image'")
     return d.image
 
 
@@ -85,7 +85,7 @@ def forward_args(model, ids: torch.Tensor, mask: torch.Tensor, vision: VisionInp
         return {}
     images = vision.kwargs(rows)
     if not is_packed(model):
-        return images
+        return image_args(model, ids, images)  # Gemma 3: with token_type_ids
     return {**images, "position_ids": model_positions(rope_positions(model, ids, mask, images))}
 
 

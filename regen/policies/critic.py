@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -17,6 +18,8 @@ from regen.algorithms.gae import value_loss
 from regen.algorithms.losses import batch_denominators
 from regen.errors import UserError
 from regen.policies.lm import LMRollout
+from regen.policies.vlm import VISION_PARTS, image_args, is_vlm_folder
+from regen.policies.vlm_packed import model_positions
 from regen.runtime.dist import Dist
 
 
@@ -34,10 +37,15 @@ class Critic:
 
         dtype = getattr(torch, cfg.model.dtype)
         source = str(folder) if folder is not None else cfg.critic.path
+        if source is not None and (is_vlm_folder(Path(source).expanduser()) or
+                                   (Path(source).expanduser() / VALUE_HEAD).is_file()):
+            return cls(VisionValueModel.load(str(Path(source).expanduser()), dtype, cfg.model.freeze_vision), device)
         if source is None:  # the policy's starting weights: copy its backbone under a new value head
             from regen.policies.lm import load_model_and_tokenizer
 
             lm, _ = load_model_and_tokenizer(cfg.model, cfg.task, cfg.run.seed)
+            if hasattr(lm.config, "vision_config"):  # a VLM: its image-reading backbone under a value head
+                return cls(VisionValueModel.of(lm, cfg.model.freeze_vision), device)
             conf = copy.deepcopy(lm.config)
             conf.num_labels = 1
             model = AutoModelForTokenClassification.from_config(conf).to(dtype)
@@ -59,7 +67,9 @@ class Critic:
         """V (B, T) of the state before each response token: read at the position whose logits
         predict that token, so V_t scores (prompt, response[:t])."""
         out = self.forward_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                         position_ids=batch.position_ids)
+                                 position_ids=model_positions(batch.position_ids),
+                                 **({} if batch.vision is None else
+                                    image_args(self.model, batch.input_ids, batch.vision.kwargs())))
         return out.logits[:, batch.prompt_width - 1 : -1, 0].float()
 
     @torch.no_grad()
@@ -105,3 +115,64 @@ class Critic:
         """state_dict: the gathered weights of a sharded (FSDP2) critic."""
         folder.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(folder, safe_serialization=True, state_dict=state_dict)
+
+
+VALUE_HEAD = "value_head.safetensors"
+
+
+class VisionValueModel(torch.nn.Module):
+    """A vision-language model's critic: its multimodal backbone (vision tower, projector, language
+    model: what the policy reads the images with) and a linear value head on the last hidden state.
+    transformers has no token-classification class for VLMs, so the folder is the backbone's own
+    save_pretrained (AutoModel loads it) and the head beside it in value_head.safetensors."""
+
+    def __init__(self, backbone, freeze_vision: bool | None):
+        super().__init__()
+        self.backbone = backbone
+        hidden = backbone.config.get_text_config().hidden_size
+        self.head = torch.nn.Linear(hidden, 1, dtype=next(backbone.parameters()).dtype)
+        torch.nn.init.normal_(self.head.weight, std=0.02)
+        torch.nn.init.zeros_(self.head.bias)
+        if freeze_vision is None or freeze_vision:  # as the policy's (model.freeze_vision)
+            for n, p in self.backbone.named_parameters():
+                if any(part in f"model.{n}" for part in VISION_PARTS):
+                    p.requires_grad_(False)
+
+    @classmethod
+    def of(cls, vlm, freeze_vision: bool | None) -> VisionValueModel:
+        """Around a loaded ...ForConditionalGeneration: its `.model` (the backbone without the LM head)."""
+        return cls(vlm.model, freeze_vision)
+
+    @classmethod
+    def load(cls, folder: str, dtype, freeze_vision: bool | None) -> VisionValueModel:
+        from safetensors.torch import load_file
+        from transformers import AutoModel, AutoModelForImageTextToText
+
+        head = Path(folder) / VALUE_HEAD
+        try:
+            if head.is_file():  # a critic folder of ours: the backbone and the head
+                model = cls(AutoModel.from_pretrained(folder, dtype=dtype), freeze_vision)
+                model.head.load_state_dict(load_file(str(head)))
+                return model
+            return cls.of(AutoModelForImageTextToText.from_pretrained(folder, dtype=dtype), freeze_vision)
+        except (OSError, ValueError, RuntimeError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(f"critic: cannot load the vision-language value model '{folder}': {first}") from None
+
+    @property
+    def config(self):  # the backbone's (what image_args reads: its family and image token)
+        return self.backbone.config
+
+    def forward(self, **kwargs):
+        hidden = self.backbone(**kwargs).last_hidden_state
+        return SimpleNamespace(logits=self.head(hidden))
+
+    def save_pretrained(self, folder, safe_serialization: bool = True, state_dict: dict | None = None) -> None:
+        from safetensors.torch import save_file
+
+        state_dict = state_dict if state_dict is not None else self.state_dict()
+        self.backbone.save_pretrained(folder, safe_serialization=safe_serialization,
+                                      state_dict={k[len("backbone."):]: v for k, v in state_dict.items()
+                                                  if k.startswith("backbone.")})
+        save_file({k[len("head."):]: v.contiguous() for k, v in state_dict.items() if k.startswith("head.")},
+                  str(Path(folder) / VALUE_HEAD))

@@ -25,7 +25,7 @@ from regen.policies.lm_load import (  # noqa: F401  (re-exported: regen.policies
     resolve_device,
 )
 from regen.policies.lm_rollout import LMRollout, concat_rollouts  # noqa: F401  (re-exported)
-from regen.policies.vlm import VisionPrompt, encode, image_token_ids, is_processor
+from regen.policies.vlm import VisionPrompt, encode, image_args, image_token_ids, is_processor
 from regen.policies.vlm_inputs import VisionInputs
 from regen.policies.vlm_packed import is_packed, model_positions, rope_positions
 
@@ -65,7 +65,8 @@ class LMPolicy:
         tokenizer = tokenizer.tokenizer if self.processor is not None else tokenizer
         self.tokenizer = tokenizer
         # image placeholder tokens are never sampled nor scored (see regen/policies/vlm.py)
-        self.banned = torch.tensor(image_token_ids(self.processor), dtype=torch.long, device=device)
+        self.banned = torch.tensor(image_token_ids(self.processor, getattr(model, "config", None)), dtype=torch.long,
+                                   device=device)
         self.device = device
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id
@@ -147,7 +148,7 @@ class LMPolicy:
         if p_pos is None:
             p_pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
         out = model(input_ids=enc["input_ids"], attention_mask=prompt_mask, position_ids=model_positions(p_pos),
-                    use_cache=True, **_vision_args(vision))
+                    use_cache=True, **_image_args(model, enc["input_ids"], vision))
         past, logits = _cache_of(out), self.ban(out.logits[:, -1]).repeat_interleave(n, 0)
         past.batch_repeat_interleave(n)
         prompt_ids = enc["input_ids"].repeat_interleave(n, 0)
@@ -228,7 +229,8 @@ class LMPolicy:
             logits = _shared_prefix_logits(model, batch, group_size)
         else:
             out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                        position_ids=model_positions(batch.position_ids), **_vision_args(batch.vision))
+                        position_ids=model_positions(batch.position_ids),
+                        **_image_args(model, batch.input_ids, batch.vision))
             logits = out.logits[:, batch.prompt_width - 1 : -1]  # position t predicts token t+1
         logp_all = F.log_softmax(self.ban(logits.float()) / temperature, -1)
         logp = logp_all.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)
@@ -288,7 +290,7 @@ def _shared_prefix_logits(model, batch: LMRollout, n: int) -> torch.Tensor:
         # the prompt, and its image through the vision tower, once per group
         out = model(input_ids=batch.input_ids[rep, :P], attention_mask=batch.attention_mask[rep, :P],
                     position_ids=model_positions(pos[rep][..., :P]), use_cache=L > 1,
-                    **_vision_args(batch.vision, rep))
+                    **_image_args(model, batch.input_ids[rep, :P], batch.vision, rep))
         # index_select, not logits[inv] / Cache.batch_select_indices: the backward of advanced indexing
         # with repeated indices (index_put_ with accumulate) adds in a thread-dependent order on CPU, so two
         # identical runs at 2 threads drifted apart in the 8th digit; index_select's backward does not
@@ -331,9 +333,10 @@ def _length_buckets(lengths: torch.Tensor) -> list[torch.Tensor]:
     return [order[:best_k], order[best_k:]]
 
 
-def _vision_args(vision: VisionInputs | None, rows=None) -> dict:
-    """The image inputs of rows `rows` (all for None) as forward keyword arguments; {} for text."""
-    return {} if vision is None else vision.kwargs(rows)
+def _image_args(model, input_ids: torch.Tensor, vision: VisionInputs | None, rows=None) -> dict:
+    """The image inputs of rows `rows` (all for None) as forward keyword arguments of the forward
+    over `input_ids` (those rows' ids); {} for text."""
+    return {} if vision is None else image_args(model, input_ids, vision.kwargs(rows))
 
 
 def _cache_arg(model) -> str:

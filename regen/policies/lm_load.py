@@ -104,7 +104,7 @@ def load_tokenizer(model_cfg, task_cfg):
         from regen.tasks.arithmetic import build_tokenizer
 
         return build_tokenizer()
-    from transformers import AutoProcessor, AutoTokenizer
+    from transformers import AutoTokenizer
 
     p = Path(model_cfg.path).expanduser()
     try:

@@ -24,12 +24,12 @@ import torch
 from regen.data.chat import is_processor  # noqa: F401  (re-exported)
 from regen.errors import DataError, UserError
 from regen.policies.vlm_inputs import VisionInputs
-from regen.policies.vlm_packed import PACKED_FAMILIES, PackedProcessor
+from regen.policies.vlm_packed import PACKED_FAMILIES, PackedProcessor, base_model
 
 # parameter-name pieces of the vision side (LLaVA: vision_tower; Qwen2-VL: visual; others: vision_model)
 VISION_PARTS = ("vision_tower.", "visual.", "vision_model.")
 # LoRA with no target_modules on a VLM: the language model's attention projections (a regex peft full-matches)
-LANGUAGE_LORA_TARGETS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj)"
+LANGUAGE_LORA_TARGETS = r".*(language_model|text_model).*\.(q_proj|k_proj|v_proj|o_proj)"  # Idefics3: text_model
 
 
 @dataclass
@@ -91,13 +91,18 @@ def load_vlm(path: str, dtype):
     return model, proc
 
 
-def image_token_ids(processor) -> list[int]:
-    """Ids the sampler must never emit: the image placeholder token(s) of the processor."""
+def image_token_ids(processor, config=None) -> list[int]:
+    """Ids the sampler must never emit: the image placeholder and marker tokens of the processor
+    (Gemma 3's processor names its image-start marker image_token; the model's own image token id
+    comes from `config`)."""
     if processor is None:
         return []
     tok = processor.tokenizer
-    names = {getattr(processor, a, None) for a in ("image_token", "video_token")} - {None}
+    names = {getattr(o, a, None) for o in (processor, tok) for a in ("image_token", "video_token", "boi_token",
+                                                                      "eoi_token")} - {None}
     ids = {tok.convert_tokens_to_ids(t) for t in names if isinstance(t, str)}
+    ids |= {getattr(config, a, None) for a in ("image_token_id", "image_token_index", "video_token_id")}
+    ids.discard(None)
     return sorted(i for i in ids if i is not None and i != tok.unk_token_id)
 
 
@@ -110,23 +115,48 @@ def encode(processor, prompts: list[VisionPrompt], add_special_tokens: bool, dev
         text, vision = processor.encode(texts, [p.images for p in prompts], add_special_tokens)
         return {k: v.to(device) for k, v in text.items()}, vision.to(device)
     img_tok = processor.image_token
-    texts = [p.text if img_tok in p.text else f"{img_tok} {p.text}" for p in prompts]
-    if any(len(p.images) != 1 for p in prompts):
-        raise DataError("this model (LLaVA-style) reads exactly one image per prompt; a prompt here has "
-                        f"{next(len(p.images) for p in prompts if len(p.images) != 1)}")
+    counts = [len(p.images) for p in prompts]
+    if 0 in counts:
+        raise DataError(f"prompt '{prompts[counts.index(0)].text[:60]}' has no image, and this model reads prompts "
+                        "with images only (prompts without one: the Qwen-VL families)")
+    texts = [p.text if img_tok in p.text else " ".join([img_tok] * n + [p.text]) for p, n in zip(prompts, counts)]
     try:
-        enc = processor(images=[p.images[0] for p in prompts], text=texts, padding=True, padding_side="left",
+        enc = processor(images=[p.images for p in prompts], text=texts, padding=True, padding_side="left",
                         return_tensors="pt", add_special_tokens=add_special_tokens)
     except ValueError as e:
         raise DataError(f"the processor refused a prompt's image: {e}") from None
     text = {k: enc[k].to(device) for k in ("input_ids", "attention_mask")}
-    tensors = {k: v.to(device) for k, v in enc.items() if k not in text and torch.is_tensor(v)}
-    for k, v in tensors.items():
-        if v.shape[0] != len(prompts):
+    # token_type_ids (Gemma 3) mark image tokens: rebuilt from the ids wherever they are needed (image_args)
+    tensors = {k: v.to(device) for k, v in enc.items()
+               if k not in text and k not in ("token_type_ids", "mm_token_type_ids") and torch.is_tensor(v)}
+    rows = {}
+    for k, v in tensors.items():  # one entry per image (LLaVA, Gemma 3), or per prompt (Idefics3: its tiles)
+        if v.shape[0] == sum(counts):
+            rows[k] = counts
+        elif v.shape[0] == len(prompts):
+            rows[k] = [1] * len(prompts)
+        else:
             raise UserError(f"model.path: the processor's '{k}' is packed across images ({tuple(v.shape)} for "
                             f"{len(prompts)} prompts); regen reads packed inputs only for the "
                             f"{', '.join(PACKED_FAMILIES)} families")
-    return text, VisionInputs.split(len(prompts), tensors, {k: [1] * len(prompts) for k in tensors})
+    return text, VisionInputs.split(len(prompts), tensors, rows)
+
+
+# families whose image tokens attend to each other both ways, marked by token_type_ids (Gemma 3 tech report, Sec. 2)
+BLOCK_ATTENTION = ("gemma3",)
+
+
+def image_args(model, input_ids: torch.Tensor, images: dict) -> dict:
+    """A forward's image keyword arguments: the rows' image tensors and, for Gemma 3, token_type_ids
+    marking the image tokens (1) from the ids themselves; {} without images."""
+    if not images:
+        return {}
+    cfg = base_model(model).config
+    if cfg.model_type not in BLOCK_ATTENTION:
+        return images
+    image_id = getattr(cfg, "image_token_id", None)
+    image_id = cfg.image_token_index if image_id is None else image_id
+    return {**images, "token_type_ids": (input_ids == image_id).long()}
 
 
 def check_trainable(model, model_cfg) -> None:

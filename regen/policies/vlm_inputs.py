@@ -13,6 +13,17 @@ another process the same operation for both layouts, and lets a row hold several
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+
+def _cat(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """Rows' pieces one after the other. Idefics3's are (1, tiles, ...) padded to their own batch's
+    most tiles with all-zero tiles, which the model drops: rows from different batches are padded
+    the same way to the most tiles among them."""
+    widest = max(p.shape[1] for p in pieces) if pieces[0].dim() >= 4 else None
+    if widest is not None and any(p.shape[1] != widest for p in pieces):
+        pieces = [F.pad(p, (0, 0) * (p.dim() - 2) + (0, widest - p.shape[1])) for p in pieces]
+    return torch.cat(pieces)
 
 
 class VisionInputs:
@@ -46,7 +57,7 @@ class VisionInputs:
         """The forward's keyword arguments for rows `idx` (all rows for None); no key when none of them has an image."""
         rows = self.rows if idx is None else self.select(idx).rows
         keys = list(dict.fromkeys(k for r in rows for k in r))
-        return {k: torch.cat([r[k] for r in rows if k in r]) for k in keys}
+        return {k: _cat([r[k] for r in rows if k in r]) for k in keys}
 
     @staticmethod
     def cat(parts: list[VisionInputs]) -> VisionInputs:

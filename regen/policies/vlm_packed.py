@@ -114,10 +114,10 @@ def _starts(counts: list[int]) -> list[int]:
 
 def is_packed(model) -> bool:
     """A model of the Qwen-VL families (M-RoPE positions, packed image inputs)."""
-    return getattr(_base(model).config, "model_type", None) in PACKED_FAMILIES
+    return getattr(base_model(model).config, "model_type", None) in PACKED_FAMILIES
 
 
-def _base(model):
+def base_model(model):
     model = getattr(model, "module", model)  # DDP
     return model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
 
@@ -125,8 +125,8 @@ def _base(model):
 def rope_positions(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, vision: dict) -> torch.Tensor:
     """M-RoPE positions (B, 3, L) of token sequences whose image tokens stand where `vision`'s images go
     (padding, left or right, gets 0): the family's own get_rope_index, the function its forward uses."""
-    inner = _base(model).model
-    image_id = _base(model).config.image_token_id
+    inner = base_model(model).model
+    image_id = base_model(model).config.image_token_id
     types = (input_ids == image_id).int()  # 1 marks an image token, 0 text (no videos here)
     grid = vision.get("image_grid_thw")
     if grid is None:  # no image in these rows: text positions on all three axes

@@ -20,7 +20,7 @@ from functools import lru_cache
 
 import torch
 
-from regen.data import Demo, PromptItem
+from regen.data import Demo, PrefPair, PromptItem
 from regen.data.images import png_data_uri
 from regen.tasks import shapes
 
@@ -66,6 +66,15 @@ def demonstrations(noise: float) -> list[Demo]:
 
 def words() -> list[str]:
     return sorted({w for text in QUESTIONS.values() for w in text.split()} | {a for v in ANSWERS.values() for a in v})
+
+
+def builtin_pairs(split_name: str, task) -> list[PrefPair]:
+    """One pair per prompt of the split: chosen = the true answer, rejected = another answer to the
+    same question (a seeded choice)."""
+    rng = random.Random(SPLIT_SEED + 3 + (split_name == "test"))
+    return [PrefPair(it.prompt, it.meta["answer"],
+                     rng.choice([a for a in ANSWERS[it.meta["question"]] if a != it.meta["answer"]]), dict(it.meta),
+                     it.image) for it in prompts(split_name)]
 
 
 def build_processor(qwen: bool = False):
