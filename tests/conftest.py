@@ -102,6 +102,34 @@ def enhancer_base(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def family_dirs(tmp_path_factory) -> dict:
+    """One untrained tiny checkpoint folder per vision-language family (regen/tasks/tiny_vlms.py), over the
+    shapes-vqa words."""
+    from regen.tasks import shapes_vqa, tiny_vlms
+
+    out = {}
+    for fam in tiny_vlms.FAMILIES:
+        folder = tmp_path_factory.mktemp(fam)
+        tiny_vlms.save(fam, folder, shapes_vqa.words(), seed=0)
+        out[fam] = str(folder)
+    return out
+
+
+@pytest.fixture(scope="session")
+def vqa_rows(tmp_path_factory) -> str:
+    """48 shapes-vqa training questions as a JSONL file of rows with an image (a PNG data URI) that serve
+    every trainer: prompt + completion (SFT), chosen + rejected (DPO), answer (RL rewards)."""
+    from regen.tasks import shapes_vqa
+
+    pairs = shapes_vqa.builtin_pairs("train", None)[::72]
+    path = tmp_path_factory.mktemp("vqa") / "rows.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p.prompt, "completion": p.chosen, "chosen": p.chosen,
+                                        "rejected": p.rejected, "answer": p.meta["answer"], "image": p.meta["image"]})
+                            + "\n" for p in pairs))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def vlm_base(tmp_path_factory) -> str:
     """The shapes-vqa LLaVA (regen/tasks/shapes_vqa.py) after a short SFT: a folder with its processor."""
     run = tmp_path_factory.mktemp("vlm_sft")

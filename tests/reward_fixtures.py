@@ -45,3 +45,12 @@ def hang_on_text(samples):
     if any(s.completion == "hang" for s in samples):
         time.sleep(3600)
     return [1.0 for _ in samples]
+
+
+def answer_words(samples):
+    """The fraction of a completion's words that are shapes-vqa answer words: a reward that varies
+    between the samples of an untrained model (so an RL step has advantages to follow)."""
+    from regen.tasks.shapes_vqa import ANSWERS
+
+    known = {a for v in ANSWERS.values() for a in v}
+    return [sum(w in known for w in s.completion.split()) / max(len(s.completion.split()), 1) for s in samples]

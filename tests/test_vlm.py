@@ -1,14 +1,12 @@
 """Vision-language policies (regen/policies/vlm.py): images in prompt rows, image tokens never
 sampled nor trained on, the image encoded once per group, the vision tower frozen by default,
-export loadable by plain transformers, refusals by name, and torchrun equal to one process.
+export loadable by plain transformers, refusals by name (torchrun and Ray for every family:
+test_vlm_families.py).
 The loop's guarantees (resume, rollback, signals...) run for the VLM in test_guarantees.py."""
 
 import base64
 import io
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -167,27 +165,6 @@ def test_what_the_image_path_cannot_do_is_refused_by_name(vlm_base, base_model, 
     assert not (tmp_path / "a").exists() and not (tmp_path / "d").exists()  # refused at the start: no folder left
 
 
-@pytest.mark.extended  # multi-process: the CI's second tier
-def test_torchrun_two_processes_train_the_same_vlm_as_one(vlm_base, tmp_path):
-    setup = [*VLM_FAST, "train.steps=2", "train.global_minibatch_size=8", "train.ppo_epochs=2", "run.threads=1",
-             "checkpoint.every=0"]
-    one, two = tmp_path / "one", tmp_path / "two"
-    assert main(["train", f"model.path={vlm_base}", f"run.dir={one}", *setup, "distributed.mode=single"]) == 0
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "regen",
-           "train", f"model.path={vlm_base}", f"run.dir={two}", *setup, "distributed.mode=torchrun"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
-    assert out.returncode == 0, out.stderr[-3000:]
-    a, b = read_jsonl(one / "metrics.jsonl"), read_jsonl(two / "metrics.jsonl")
-    assert [r["reward/mean"] for r in a] == [r["reward/mean"] for r in b]
-    assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-4, abs=1e-6)
-    wa, wb = load_file(str(one / "export" / "model.safetensors")), load_file(str(two / "export" / "model.safetensors"))
-    w0 = load_file(f"{vlm_base}/model.safetensors")
-    diff = sum(((wa[k] - wb[k]) ** 2).sum() for k in wa) ** 0.5
-    moved = sum(((wa[k] - w0[k]) ** 2).sum() for k in wa) ** 0.5
-    assert moved > 1e-3 and diff < 1e-3 * moved, (float(diff), float(moved))
-
-
 def test_a_hugging_face_image_column_becomes_the_prompt_image(tmp_path):
     import datasets
     from PIL import Image
@@ -231,21 +208,3 @@ def test_a_chat_template_places_the_image_and_a_text_model_refuses_images(vlm_ba
     assert main(["train", f"model.path={base_model}", f"run.dir={tmp_path / 'text'}", *VLM_FAST[:1], "data.eval=null",
                  "log.progress=none"]) == 2
     assert "carry an 'image' but model.path is a text-only model" in capsys.readouterr().err
-
-
-@pytest.mark.extended  # Ray actors: the CI's second tier
-def test_ray_rollout_actors_sample_the_same_vlm_batches_as_one_process(vlm_base, tmp_path):
-    ray = pytest.importorskip("ray")
-    setup = [*VLM_FAST, "train.steps=3", "run.threads=1", "checkpoint.every=0"]
-    one, spread = tmp_path / "one", tmp_path / "ray"
-    assert main(["train", f"model.path={vlm_base}", f"run.dir={one}", *setup]) == 0
-    try:
-        assert main(["train", f"model.path={vlm_base}", f"run.dir={spread}", *setup, "distributed.mode=ray",
-                     "distributed.rollout_workers=2", "distributed.reward_workers=1"]) == 0
-    finally:
-        ray.shutdown()
-    a, b = read_jsonl(one / "metrics.jsonl"), read_jsonl(spread / "metrics.jsonl")
-    # the prompts' images travel to the actors: the same images, weights and uniforms, the same answers
-    assert [r["reward/mean"] for r in a] == [r["reward/mean"] for r in b]
-    assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-4, abs=1e-6)
-    assert a[-1]["grad_norm"] > 0

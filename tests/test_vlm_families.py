@@ -11,21 +11,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from regen.cli import main
-from regen.tasks import shapes_vqa, tiny_vlms
-from tests.conftest import VLM_FAST, read_jsonl
+from regen.tasks import tiny_vlms
+from tests.conftest import read_jsonl
 
 FAMILIES = tiny_vlms.FAMILIES
-
-
-@pytest.fixture(scope="module")
-def family_dirs(tmp_path_factory) -> dict:
-    """One untrained tiny checkpoint folder per family, over the shapes-vqa words."""
-    out = {}
-    for fam in FAMILIES:
-        folder = tmp_path_factory.mktemp(fam)
-        tiny_vlms.save(fam, folder, shapes_vqa.words(), seed=0)
-        out[fam] = str(folder)
-    return out
 
 
 def load_policy(folder: str):
@@ -180,44 +169,19 @@ def test_sft_labels_only_the_answer_and_its_loss_is_the_answers_cross_entropy(fa
     assert len(terms) == 2 + 3 + 2  # red+EOS, red circle+EOS, circle+EOS
 
 
-def qwen_run(run, base, *extra) -> int:
-    return main(["train", f"model.path={base}", f"run.dir={run}", *VLM_FAST, *extra])
-
-
-@pytest.fixture(scope="module")
-def qwen_sft(tmp_path_factory) -> str:
-    """The shapes-qwen-vl recipe (a tiny Qwen2.5-VL) after a short SFT through `regen sft`."""
-    run = tmp_path_factory.mktemp("qwen_sft")
-    assert main(["sft", "model.init=shapes-qwen-vl", "data.train=builtin:shapes-vqa:train", "data.eval=null",
-                 f"run.dir={run}", "sft.steps=30", "sft.global_batch_size=32", "optim.lr=2e-3", "log.progress=none",
-                 "log.tensorboard=false", "run.threads=2"]) == 0
-    return str(run / "export")
-
-
-def test_a_qwen_vl_grpo_run_trains_the_language_side_and_keeps_the_vision_tower(qwen_sft, tmp_path):
-    run = tmp_path / "run"
-    assert qwen_run(run, qwen_sft, "train.steps=2", "data.eval=builtin:shapes-vqa:test", "eval.num_prompts=4",
-                    "eval.every=0") == 0
-    rows = read_jsonl(run / "metrics.jsonl")
-    assert [r["step"] for r in rows if "loss" in r] == [1, 2]
-    base, after = load_file(f"{qwen_sft}/model.safetensors"), load_file(str(run / "export" / "model.safetensors"))
-    vision = [k for k in base if "visual." in k]  # the checkpoint format keeps the hub's names (visual.*, model.*)
-    assert vision and all(torch.equal(base[k], after[k]) for k in vision)
-    assert any(not torch.equal(base[k], after[k]) for k in base if k not in vision)
-
-
 @pytest.mark.parametrize("method", ["dpo", "ppo"])
-def test_dpo_on_image_pairs_and_ppo_with_an_image_reading_critic_run_on_a_qwen_vl(method, qwen_sft, tmp_path):
+def test_dpo_scores_held_out_image_pairs_and_ppos_critic_is_the_vlm_backbone(method, family_dirs, vqa_rows, tmp_path):
     run = tmp_path / method
-    common = ["train.steps=2", "data.eval=builtin:shapes-vqa:test", "eval.num_prompts=8", "eval.every=0"]
-    if method == "dpo":  # offline: no sampling settings (VLM_FAST's are refused as unread)
-        assert main(["train", f"model.path={qwen_sft}", f"run.dir={run}", "algorithm.name=dpo", *common,
-                     "data.train=builtin:shapes-vqa:train", "train.global_minibatch_size=16", "log.progress=none",
-                     "log.tensorboard=false", "run.threads=2", "rollout.max_new_tokens=2"]) == 0
+    common = [f"model.path={family_dirs['qwen2_5_vl']}", f"run.dir={run}", f"data.train={vqa_rows}", "train.steps=2",
+              f"data.eval={vqa_rows}", "eval.num_prompts=8", "eval.every=0", "log.progress=none",
+              "log.tensorboard=false", "run.threads=2", "rollout.max_new_tokens=2"]
+    if method == "dpo":
+        assert main(["train", *common, "algorithm.name=dpo", "train.global_minibatch_size=16"]) == 0
     else:
-        assert qwen_run(run, qwen_sft, *common, "algorithm.name=ppo", "rollout.group_size=1", "checkpoint.every=1") == 0
+        assert main(["train", *common, "algorithm.name=ppo", "rollout.global_batch_size=8", "rollout.group_size=1",
+                     "checkpoint.every=1", "reward=[{name: exact_match}]"]) == 0
     rows = read_jsonl(run / "metrics.jsonl")
-    if method == "dpo":  # held-out pairs about held-out images, scored before and after
+    if method == "dpo":  # held-out pairs about their images, scored before and after
         assert sum("eval/preference_accuracy" in r for r in rows) == 2
         assert all(np.isfinite(r["loss"]) for r in rows if "loss" in r)
     else:  # the critic reads the images: a VLM backbone under a value head, saved beside the policy
@@ -228,3 +192,94 @@ def test_dpo_on_image_pairs_and_ppo_with_an_image_reading_critic_run_on_a_qwen_v
 
         backbone = AutoModel.from_pretrained(critic)
         assert type(backbone).__name__ == "Qwen2_5_VLModel"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sft_runs_with_prompt_rows_and_with_the_chat_template(family, family_dirs, vqa_rows, tmp_path):
+    base = family_dirs[family]
+    chats = [False] if family == "llava" else [False, True]  # the tiny LLaVA's processor has no chat template
+    for chat in chats:
+        run = tmp_path / f"chat{int(chat)}"
+        assert main(["sft", f"model.path={base}", f"run.dir={run}", f"data.train={vqa_rows}",
+                     "data.eval=null", f"data.chat_template={str(chat).lower()}", "sft.steps=2",
+                     "sft.global_batch_size=8", "log.progress=none", "log.tensorboard=false", "run.threads=2"]) == 0
+        rows = [r for r in read_jsonl(run / "metrics.jsonl") if "loss" in r]
+        assert [r["step"] for r in rows] == [1, 2] and all(np.isfinite(r["loss"]) for r in rows)
+        before, after = load_file(f"{base}/model.safetensors"), load_file(str(run / "export" / "model.safetensors"))
+        assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_chat_rendered_demo_trains_on_the_assistant_turn_only_with_its_image_in_the_context(family_dirs):
+    from regen.data import Demo
+    from regen.data.chat import render_demos
+    from regen.offline.sft import IGNORE, encode_demos
+
+    policy = load_policy(family_dirs["qwen2_5_vl"])
+    proc, tok = policy.processor, policy.tokenizer
+    demo = Demo("what colour is the shape ?", "red", {}, [image(), image(seed=1)])
+    [rendered] = render_demos([demo], proc, None, "data.train")
+    ids, mask, labels = encode_demos([rendered], proc, 512)
+    image_id = policy.model.config.image_token_id
+    trained = labels[0] != IGNORE
+    answer = tok("red", add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids("<|im_end|>")]
+    assert labels[0][trained].tolist()[: len(answer)] == answer  # the answer and its end of turn...
+    assert not (trained & (ids[0] == image_id)).any()  # ...never an image token
+    assert int((ids[0] == image_id).sum()) == 2 * 4  # two 16x16 images, 4 merged patches each, as when sampling
+    from regen.policies.vlm import VisionPrompt
+
+    enc, _ = policy.encode([VisionPrompt(rendered.prompt, demo.image)])
+    assert ids[0][: enc["input_ids"].shape[1]].tolist() == enc["input_ids"][0].tolist()  # the prompt as sampled
+
+
+def two_step_setup() -> list[str]:
+    return ["data.train=builtin:shapes-vqa:train", "data.eval=null", "rollout.global_batch_size=16",
+            "rollout.group_size=4", "rollout.max_new_tokens=3", "log.progress=none", "log.tensorboard=false",
+            "optim.lr=1e-3", "reward=[{name: 'tests.reward_fixtures:answer_words'}]", "train.steps=2",
+            "run.threads=1", "checkpoint.every=0"]
+
+
+@pytest.mark.extended  # multi-process: the CI's second tier
+@pytest.mark.parametrize("family", FAMILIES)
+def test_torchrun_two_processes_train_the_same_model_as_one(family, family_dirs, tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    base = family_dirs[family]
+    setup = [*two_step_setup(), "train.global_minibatch_size=8", "train.ppo_epochs=2"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert main(["train", f"model.path={base}", f"run.dir={one}", *setup, "distributed.mode=single"]) == 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "regen",
+           "train", f"model.path={base}", f"run.dir={two}", *setup, "distributed.mode=torchrun"]
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    a, b = read_jsonl(one / "metrics.jsonl"), read_jsonl(two / "metrics.jsonl")
+    assert [r["reward/mean"] for r in a] == [r["reward/mean"] for r in b]
+    assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-4, abs=1e-6)
+    wa, wb = load_file(str(one / "export" / "model.safetensors")), load_file(str(two / "export" / "model.safetensors"))
+    w0 = load_file(f"{base}/model.safetensors")
+    diff = sum(((wa[k] - wb[k]) ** 2).sum() for k in wa) ** 0.5
+    moved = sum(((wa[k] - w0[k]) ** 2).sum() for k in wa) ** 0.5
+    assert moved > 1e-4 and diff < 1e-3 * moved, (float(diff), float(moved))
+
+
+@pytest.mark.extended  # Ray actors: the CI's second tier
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ray_rollout_actors_sample_what_one_process_does(family, family_dirs, tmp_path):
+    ray = pytest.importorskip("ray")
+    base, setup = family_dirs[family], two_step_setup()
+    one, spread = tmp_path / "one", tmp_path / "ray"
+    assert main(["train", f"model.path={base}", f"run.dir={one}", *setup]) == 0
+    try:
+        assert main(["train", f"model.path={base}", f"run.dir={spread}", *setup, "distributed.mode=ray",
+                     "distributed.rollout_workers=2", "distributed.reward_workers=1"]) == 0
+    finally:
+        ray.shutdown()
+    a, b = read_jsonl(one / "metrics.jsonl"), read_jsonl(spread / "metrics.jsonl")
+    # the prompts' images travel to the actors: the same images, weights and uniforms, the same answers
+    assert [r["reward/mean"] for r in a] == [r["reward/mean"] for r in b]
+    assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-4, abs=1e-6)
+    assert a[-1]["grad_norm"] > 0

@@ -52,6 +52,16 @@ def _shown(msgs: list[dict], image, tokenizer) -> list[dict]:
     return with_image(msgs, tokenizer.image_token, len(image) if isinstance(image, list) else 1)
 
 
+def _images_in_first_user_turn(msgs: list[dict], image, tokenizer) -> list[dict]:
+    """A demonstration's conversation with its image(s) placed in the first user turn (the
+    template's image markers; the image tokens are then in the untrained context)."""
+    if image is None or not is_processor(tokenizer):
+        return msgs
+    u = next(k for k, m in enumerate(msgs) if m["role"] == "user")
+    return [*msgs[:u], *with_image(msgs[: u + 1], tokenizer.image_token, len(image) if isinstance(image, list)
+                                   else 1)[-1:], *msgs[u + 1:]]
+
+
 def _require_template(tokenizer) -> None:
     if not getattr(tokenizer, "chat_template", None):
         raise UserError("data.chat_template: the model's tokenizer has no chat template (tokenizer_config.json "
@@ -108,19 +118,17 @@ def render_demos(demos: list, tokenizer, system_prompt: str | None, where: str) 
     reasoning) cannot be cut that way and is one error naming the row."""
     from regen.data import Demo
 
-    if any(d.image is not None for d in demos) or is_processor(tokenizer):
-        raise UserError("data.chat_template in `regen sft` with a vision-language model: not supported yet; "
-                        "train it on prompt/completion rows with data.chat_template: false")
     _require_template(tokenizer)
     out = []
     for i, d in enumerate(demos):
         msgs = _with_system(_conversation(d, where, i), system_prompt)
+        shown = _images_in_first_user_turn(msgs, d.image, tokenizer)
         pieces, done, before = [], "", ""
         for j, m in enumerate(msgs):
             if m["role"] != "assistant":
                 continue
-            before = _template(tokenizer, msgs[:j], True, where, i)
-            through = _template(tokenizer, msgs[: j + 1], False, where, i)
+            before = _template(tokenizer, shown[:j], True, where, i)
+            through = _template(tokenizer, shown[: j + 1], False, where, i)
             if not before.startswith(done) or not through.startswith(before) or len(through) == len(before):
                 raise DataError(f"{where}: row {i + 1}: the chat template does not write the conversation turn by "
                                 f"turn (adding turn {j + 1} changes the text before it), so the assistant's tokens "

@@ -96,7 +96,7 @@ class LMModality(Modality):
         model, tok, reference = load_policy_model(cfg, state)
         self.policy = LMPolicy(model, tok, device, reference=reference)
         if self.policy.processor is not None:
-            refuse_for_images(cfg)
+            refuse_for_images(cfg, self.policy.model.config.model_type)
         configure_prompts(self.policy, cfg)
         self.policy.model.eval()  # dropout off: sampling and training see the same function (ratio 1 on-policy)
         if dist.on:  # DDP's wrapper, or the model (and reference) sharded in place by FSDP2
@@ -357,11 +357,11 @@ def load_policy_model(cfg, state: dict | None):
     return model, tok, reference
 
 
-def refuse_for_images(cfg) -> None:
+def refuse_for_images(cfg, family: str) -> None:
     """What the vision-language path does not do yet: one clear error, before any work."""
     if cfg.rollout.engine == "vllm":
-        raise UserError("rollout.engine=vllm: regen does not pass images to vLLM yet; use rollout.engine=hf with a "
-                        "vision-language model")
+        raise UserError(f"rollout.engine=vllm with a {family} vision-language model: regen does not pass images to "
+                        "vLLM yet; use rollout.engine=hf")
 
 
 def load_critic(cfg, device, state: dict | None, alerts, d: Dist | None = None):

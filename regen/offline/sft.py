@@ -32,7 +32,8 @@ def encode_demos(demos: list[Demo], tok, max_len: int) -> tuple[torch.Tensor, to
     (Demo.segments) is its pieces tokenised in order without adding special tokens (the template
     wrote them), labelled on its assistant turns only; the others are prompt + completion + EOS."""
     if any(d.segments is not None for d in demos):
-        rows = [_segments(d.segments, tok) for d in demos]
+        rows = [_segments(d.segments, tok, d.image) for d in demos]
+        tok = tok.tokenizer if is_processor(tok) else tok
     else:
         if is_processor(tok):  # one batched call; each row's left padding dropped again
             text, _ = encode(tok, [VisionPrompt(d.prompt, _image_of(d, tok)) for d in demos], True, "cpu")
@@ -55,11 +56,19 @@ def encode_demos(demos: list[Demo], tok, max_len: int) -> tuple[torch.Tensor, to
     return ids, mask, labels
 
 
-def _segments(pieces: list[tuple[str, bool]], tok) -> tuple[list[int], list[int]]:
-    """(ids, labels) of a chat-rendered demonstration: labels are the ids on its trained pieces."""
+def _segments(pieces: list[tuple[str, bool]], tok, image=None) -> tuple[list[int], list[int]]:
+    """(ids, labels) of a chat-rendered demonstration: labels are the ids on its trained pieces. With
+    a VLM's processor, a piece holding image markers is encoded with its images (each marker
+    expanded to the image's tokens, as when sampling)."""
     ids, labels = [], []
+    images = VisionPrompt("", image).images
     for text, trained in pieces:
-        t = tok(text, add_special_tokens=False)["input_ids"]
+        k = text.count(tok.image_token) if is_processor(tok) else 0
+        if k:
+            enc, _ = encode(tok, [VisionPrompt(text, images[:k])], False, "cpu")
+            t, images = enc["input_ids"][0].tolist(), images[k:]
+        else:
+            t = (tok.tokenizer if is_processor(tok) else tok)(text, add_special_tokens=False)["input_ids"]
         ids += t
         labels += t if trained else [IGNORE] * len(t)
     return ids, labels

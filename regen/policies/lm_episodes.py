@@ -299,7 +299,8 @@ def episode_engine(cfg, policy):
         raise UserError("env with rollout.engine=vllm: multi-turn episodes are sampled by regen's own loop; use "
                         "rollout.engine=hf")
     if policy.processor is not None:
-        raise UserError("env with a vision-language model: multi-turn episodes are for text models so far")
+        raise UserError(f"env with a {policy.model.config.model_type} vision-language model: multi-turn episodes are "
+                        "for text models so far")
     from regen.envs import make_env
 
     return EpisodeSampler(policy, make_env(cfg.env), cfg.env.max_turns, cfg.env.max_tokens, cfg.data.chat_template)

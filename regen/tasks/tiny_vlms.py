@@ -12,7 +12,7 @@ bidirectional attention inside each image; Idefics3: each image cut into tiles, 
 from __future__ import annotations
 
 QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-FAMILIES = (*QWEN, "gemma3", "idefics3")
+FAMILIES = ("llava", *QWEN, "gemma3", "idefics3")
 SPECIALS = ["<pad>", "<|endoftext|>", "<unk>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
             "<|image_pad|>", "<|video_pad|>"]
 # the families' chat layout: <|im_start|>role\n ... <|im_end|>\n, an image as <|vision_start|><|image_pad|><|vision_end|>
@@ -175,6 +175,11 @@ def save(family: str, folder, words: list[str], seed: int = 0) -> None:
         model, tok, images = build(family, words, seed)
         tok.save_pretrained(folder)
         images.save_pretrained(folder)
+    elif family == "llava":  # the shapes-vqa LLaVA (its own word list: the shapes questions and answers)
+        from regen.tasks.shapes_vqa import build_model
+
+        model, proc = build_model(seed)
+        proc.save_pretrained(folder)
     else:
         model, proc = (build_gemma3 if family == "gemma3" else build_idefics3)(words, seed)
         proc.save_pretrained(folder)
