@@ -156,12 +156,12 @@ def test_dpo_pairs_answer_the_conversation_as_the_assistants_turn(chat_model):
     assert p.prompt == ("<|im_start|>user\n1+1=<|im_end|>\n<|im_start|>assistant\n2<|im_end|>\n<|im_start|>user\n"
                         "3+4=<|im_end|>\n<|im_start|>assistant\n")
     assert (p.chosen, p.rejected) == ("7<|im_end|>\n", "8<|im_end|>\n")
-    ids, mask, labels = _encode([p], tok, 128, "chosen", "cpu", chat=True)
+    ids, mask, labels, _ = _encode([p], tok, 128, "chosen", "cpu", chat=True)
     assert ids[0].tolist() == tok(p.prompt + p.chosen, add_special_tokens=False)["input_ids"]  # no EOS added
     assert labels[0][labels[0] != IGNORE].tolist() == tok(p.chosen, add_special_tokens=False)["input_ids"]
     # without data.chat_template a row's own 'messages' column is only metadata: prompt + chosen + EOS as written
     plain = PrefPair("1+1=", "2", "3", {"messages": CONVERSATION})
-    ids, mask, labels = _encode([plain], tok, 128, "chosen", "cpu")
+    ids, mask, labels, _ = _encode([plain], tok, 128, "chosen", "cpu")
     assert labels[0][labels[0] != IGNORE].tolist() == tok("2", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
 
 

@@ -14,12 +14,12 @@ import torch.nn.functional as F
 from regen.algorithms import dpo_loss
 from regen.config import RLConfig
 from regen.data import Demo, EpochSampler, load_pairs, load_prompts
+from regen.data.vision_inputs import VisionInputs
 from regen.modalities.lm_eval import fmt_eval, run_eval
 from regen.offline.books import Model, OfflineRun
 from regen.offline.sft import IGNORE, demo_vision, encode_demos, forward_args
 from regen.policies.lm import LMPolicy, apply_lora, configure_prompts, load_model_and_tokenizer, max_positions, resolve_device
 from regen.policies.vlm import check_trainable
-from regen.policies.vlm_inputs import VisionInputs
 from regen.quality import Quality, gates
 from regen.runtime import checkpoint as ckpt
 from regen.runtime.loggers import require as require_loggers

@@ -10,12 +10,12 @@ import torch.nn.functional as F
 
 from regen.config import SFTConfig
 from regen.data import Demo, EpochSampler, load_demos, load_prompts
+from regen.data.vision_inputs import VisionInputs
 from regen.errors import DataError
 from regen.modalities.lm_eval import run_eval
 from regen.offline.books import Model, OfflineRun
 from regen.policies.lm import LMPolicy, configure_prompts, load_model_and_tokenizer, max_positions, resolve_device
 from regen.policies.vlm import VisionPrompt, check_trainable, encode, image_args, is_processor
-from regen.policies.vlm_inputs import VisionInputs
 from regen.policies.vlm_packed import is_packed, model_positions, rope_positions
 from regen.quality import Quality, gates
 from regen.runtime import checkpoint as ckpt

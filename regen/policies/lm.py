@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from regen.data.vision_inputs import VisionInputs
 from regen.errors import DataError, UserError
 from regen.policies.lm_load import (  # noqa: F401  (re-exported: regen.policies.lm is where callers import from)
     apply_lora,
@@ -26,7 +27,6 @@ from regen.policies.lm_load import (  # noqa: F401  (re-exported: regen.policies
 )
 from regen.policies.lm_rollout import LMRollout, concat_rollouts  # noqa: F401  (re-exported)
 from regen.policies.vlm import VisionPrompt, encode, image_args, image_token_ids, is_processor
-from regen.policies.vlm_inputs import VisionInputs
 from regen.policies.vlm_packed import is_packed, model_positions, rope_positions
 
 

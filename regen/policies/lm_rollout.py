@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from regen.policies.vlm_inputs import VisionInputs
+from regen.data.vision_inputs import VisionInputs
 
 
 @dataclass

@@ -22,9 +22,10 @@ import numpy as np
 import torch
 
 from regen.data.chat import is_processor  # noqa: F401  (re-exported)
+from regen.data.packed_images import PACKED_FAMILIES, PackedProcessor
+from regen.data.vision_inputs import VisionInputs
 from regen.errors import DataError, UserError
-from regen.policies.vlm_inputs import VisionInputs
-from regen.policies.vlm_packed import PACKED_FAMILIES, PackedProcessor, base_model
+from regen.policies.vlm_packed import base_model
 
 # parameter-name pieces of the vision side (LLaVA: vision_tower; Qwen2-VL: visual; others: vision_model)
 VISION_PARTS = ("vision_tower.", "visual.", "vision_model.")
@@ -63,7 +64,7 @@ def model_type(path: Path) -> str | None:
 
 def load_processor(path: str):
     """The processor of a local VLM folder (the Qwen-VL families: regen's image-only one,
-    regen/policies/vlm_packed.py); UserError naming what is missing."""
+    regen/data/packed_images.py); UserError naming what is missing."""
     from transformers import AutoProcessor
 
     packed = model_type(Path(path)) in PACKED_FAMILIES

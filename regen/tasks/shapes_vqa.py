@@ -85,7 +85,7 @@ def build_processor(qwen: bool = False):
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
     if qwen:
-        from regen.policies.vlm_packed import PackedProcessor
+        from regen.data.packed_images import PackedProcessor
         from regen.tasks import tiny_vlms
 
         return PackedProcessor(tiny_vlms.qwen_tokenizer(words()), tiny_vlms.image_processor(shapes.RES))
@@ -123,7 +123,7 @@ def build_model(seed: int, digits: int = 0):
 def build_qwen_model(seed: int, digits: int = 0):
     """A tiny Qwen2.5-VL (1-block vision tower on 4x4 patches merged 2x2, 2-layer language model of
     width 64; regen/tasks/tiny_vlms.py) from random init, and its processor."""
-    from regen.policies.vlm_packed import PackedProcessor
+    from regen.data.packed_images import PackedProcessor
     from regen.tasks import tiny_vlms
 
     model, tok, images = tiny_vlms.build("qwen2_5_vl", words(), seed)

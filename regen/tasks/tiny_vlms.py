@@ -1,12 +1,13 @@
 """Tiny vision-language models of the current families (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Gemma 3,
-SmolVLM's Idefics3), built from their real transformers classes with a few layers, a word-level
+SmolVLM's Idefics3, and LLaVA), built from their real transformers classes with a few layers, a word-level
 tokenizer holding each family's special tokens and a chat template in its layout, and the
 family's own image processor (PIL backend: no torchvision needed).
 
 They exist for tests and the shapes-VQA demo: saved with save_pretrained and loaded back through
 from_pretrained, they take the same path as a hub checkpoint of the family (Qwen-VL: packed
-pixel_values with image_grid_thw and M-RoPE positions, regen/policies/vlm_packed.py; Gemma 3:
-bidirectional attention inside each image; Idefics3: each image cut into tiles, per-row padded).
+pixel_values with image_grid_thw, regen/data/packed_images.py, and M-RoPE positions,
+regen/policies/vlm_packed.py; Gemma 3: bidirectional attention inside each image; Idefics3: each
+image cut into tiles, per-row padded; LLaVA: the shapes-vqa model, regen/tasks/shapes_vqa.py).
 """
 
 from __future__ import annotations
