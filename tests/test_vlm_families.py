@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from regen.cli import main
+from regen.envs import Environment, Step
 from regen.tasks import tiny_vlms
 from tests.conftest import read_jsonl
 
@@ -230,6 +231,42 @@ def test_a_chat_rendered_demo_trains_on_the_assistant_turn_only_with_its_image_i
 
     enc, _ = policy.encode([VisionPrompt(rendered.prompt, demo.image)])
     assert ids[0][: enc["input_ids"].shape[1]].tolist() == enc["input_ids"][0].tolist()  # the prompt as sampled
+
+
+class WordEcho(Environment):
+    """Answers each turn with shapes-vqa words, as many as the turn and seed say (rows get observations
+    of different lengths), and ends after `turns` turns with reward 1."""
+
+    def __init__(self, turns: int = 3):
+        self.turns, self.k = turns, 0
+
+    def reset(self, row, seed):
+        self.seed = seed
+        return None
+
+    def step(self, turn):
+        self.k += 1
+        if self.k >= self.turns:
+            return Step(None, reward=1.0, done=True)
+        return Step(" ".join(["red", "left", "circle"][: 1 + (len(turn) + self.seed) % 3]), reward=0.0)
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "gemma3"])  # sliding-window attention: refused
+def test_multi_turn_episodes_read_the_image_and_rescore_to_the_samplers_logprobs(family, family_dirs):
+    from regen.data import PromptItem
+    from regen.policies.lm_episodes import EpisodeSampler
+
+    policy = load_policy(family_dirs[family])
+    s = EpisodeSampler(policy, lambda: WordEcho(3), max_turns=3, max_tokens=40, chat=False)
+    rows = [PromptItem(p.text, {}, p.image) for p in mixed_prompts(family)]
+    ro = s.sample(s.inputs(rows), 3, 1.0, 1.0, 4, torch.Generator().manual_seed(0), with_logp=True)
+    m = ro.response_mask
+    assert any(e["observations"] for e in ro.episodes)
+    assert float(m.sum()) < float(ro.attention_mask[:, ro.prompt_width :].sum())  # observations are there, masked
+    assert (ro.rope is not None) == (family in tiny_vlms.QWEN) and len(ro.vision) == 9
+    for group in (1, 3):  # the plain forward, and each group's prompt (and images) once
+        lp, _ = policy.token_logprobs(ro, 1.0, group_size=group)
+        assert float(((lp.detach() - ro.behaviour_logp) * m).abs().max()) < 1e-5
 
 
 def two_step_setup() -> list[str]:

@@ -23,8 +23,10 @@ import torch
 import torch.nn.functional as F
 
 from regen.errors import UserError
-from regen.policies.lm import _cache_arg, _cache_of, sample_token
+from regen.policies.lm import _cache_arg, _cache_of, _image_args, sample_token
 from regen.policies.lm_rollout import LMRollout
+from regen.policies.vlm import VisionPrompt
+from regen.policies.vlm_packed import model_positions
 
 
 @dataclass
@@ -148,18 +150,28 @@ class EpisodeSampler:
                                 f"(prompt row '{rows[g].prompt[:40]}'); a group's episodes must start alike")
         was_training = model.training
         model.eval()
-        enc, _ = p.encode(firsts[::n])
+        # a vision-language model: the row's image(s) go with the first prompt; observations are text
+        firsts_in = firsts[::n] if p.processor is None else \
+            [VisionPrompt(f, r.image) for f, r in zip(firsts[::n], rows)]
+        enc, vision = p.encode(firsts_in)
         stops = torch.tensor(p.stop_ids, device=dev)
         prompt_mask = enc["attention_mask"]
         cache_arg = _cache_arg(model)
-        p_pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
-        out = model(input_ids=enc["input_ids"], attention_mask=prompt_mask, position_ids=p_pos, use_cache=True)
+        p_pos = enc.get("position_ids")  # M-RoPE (B, 3, P), else the plain text positions
+        if p_pos is None:
+            p_pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+        rope = p_pos.dim() == 3
+        if rope and self.reencode:
+            raise UserError("episode re-encoding (bench/episode_kv.py) is for text models")
+        out = model(input_ids=enc["input_ids"], attention_mask=prompt_mask, position_ids=model_positions(p_pos),
+                    use_cache=True, **_image_args(model, enc["input_ids"], vision))
         past, logits = _cache_of(out), p.ban(out.logits[:, -1]).repeat_interleave(n, 0)
         past.batch_repeat_interleave(n)
         prompt_ids, mask = enc["input_ids"].repeat_interleave(n, 0), prompt_mask.repeat_interleave(n, 0)
         P = prompt_ids.shape[1]
         seq = prompt_ids  # every token fed so far (holes included): what reencode encodes again
-        next_pos = p_pos[:, -1:].repeat_interleave(n, 0) + 1  # (B, 1) position of each row's next real token
+        # (B, 1) position of each row's next real token: the prompt's largest + 1 (on every M-RoPE axis)
+        next_pos = (p_pos.flatten(1).amax(1) + 1).repeat_interleave(n, 0)[:, None]
         resp = [[] for _ in range(B)]  # the compacted response region: (token, is_model, logp)
         unfed = [[] for _ in range(B)]  # tokens in resp the cache has not seen yet
         eps = [Episode() for _ in range(B)]
@@ -177,9 +189,9 @@ class EpisodeSampler:
                 o = model(input_ids=seq, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                           use_cache=True)
             else:
-                pos = next_pos + real.long().cumsum(1) - 1
-                o = model(input_ids=ids, attention_mask=mask, position_ids=pos.clamp(min=0), use_cache=True,
-                          **{cache_arg: past})
+                pos = (next_pos + real.long().cumsum(1) - 1).clamp(min=0)
+                o = model(input_ids=ids, attention_mask=mask, position_ids=pos[None].expand(3, -1, -1) if rope else pos,
+                          use_cache=True, **{cache_arg: past})
             past, new = _cache_of(o), p.ban(o.logits[:, -1])
             logits = torch.where(real[:, -1:], new, logits)  # a waiting row keeps its last real token's logits
             next_pos = next_pos + real.long().sum(1, keepdim=True)
@@ -230,7 +242,10 @@ class EpisodeSampler:
             reward = envs[i].episode_reward()
             eps[i].reward += float(reward) if reward is not None else 0.0
         model.train(was_training)
-        return self._rollout(prompt_ids, mask[:, :P], resp, eps, finished, with_logp)
+        ro = self._rollout(prompt_ids, mask[:, :P], resp, eps, finished, with_logp)
+        ro.vision = None if vision is None else vision.repeat(n)
+        ro.rope = p_pos.repeat_interleave(n, 0) if rope else None
+        return ro
 
     def _answer(self, envs, eps, resp, unfed, turn, active, finished, k, stops) -> None:
         """Each row that wrote a turn hands it to its environment; the observations join resp."""
@@ -291,6 +306,16 @@ class EpisodeSampler:
             episodes=[e.as_dict() for e in eps])
 
 
+def sliding_window(model) -> int | None:
+    """The language model's sliding-window width where some layer attends through one, else None."""
+    cfg = model.config.get_text_config()
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None)
+    if window is None or getattr(cfg, "use_sliding_window", True) is False:
+        return None
+    return window if types is None or "sliding_attention" in types else None
+
+
 def episode_engine(cfg, policy):
     """env: the multi-turn sampler in front of the policy (None: one completion per sample)."""
     if cfg.env is None:
@@ -298,9 +323,11 @@ def episode_engine(cfg, policy):
     if cfg.rollout.engine == "vllm":
         raise UserError("env with rollout.engine=vllm: multi-turn episodes are sampled by regen's own loop; use "
                         "rollout.engine=hf")
-    if policy.processor is not None:
-        raise UserError(f"env with a {policy.model.config.model_type} vision-language model: multi-turn episodes are "
-                        "for text models so far")
+    window = sliding_window(policy.model)
+    if window is not None:
+        raise UserError(f"env with a {policy.model.config.model_type} model, whose attention uses a sliding window "
+                        f"({window} tokens): the episode sampler's waiting rows leave holes in the KV cache, which the "
+                        "window would count as tokens; multi-turn episodes need full attention")
     from regen.envs import make_env
 
     return EpisodeSampler(policy, make_env(cfg.env), cfg.env.max_turns, cfg.env.max_tokens, cfg.data.chat_template)
