@@ -130,7 +130,7 @@ def test_sft_trains_on_every_assistant_turn_and_nothing_else(chat_model):
 
     tok = AutoTokenizer.from_pretrained(chat_model)
     demos = render_demos([Demo(None, None, {"messages": CONVERSATION}), Demo("5+5=", "10")], tok, "sum", "data.train")
-    ids, mask, labels = encode_demos(demos, tok, 128)
+    ids, mask, labels, _ = encode_demos(demos, tok, 128)
     for i, (text, trained) in enumerate([
         ("<|im_start|>system\nsum<|im_end|>\n<|im_start|>user\n1+1=<|im_end|>\n<|im_start|>assistant\n2<|im_end|>\n"
          "<|im_start|>user\n3+4=<|im_end|>\n<|im_start|>assistant\n7<|im_end|>\n", "2<|im_end|>\n7<|im_end|>\n"),

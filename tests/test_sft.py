@@ -13,7 +13,7 @@ FAST = ["model.init=arith-char-gpt2", "log.progress=none", "log.tensorboard=fals
 
 def test_only_completion_and_eos_are_trained():
     tok = build_tokenizer()
-    ids, mask, labels = encode_demos([Demo("1+2=", "3"), Demo("10+20=", "30")], tok, 32)
+    ids, mask, labels, _ = encode_demos([Demo("1+2=", "3"), Demo("10+20=", "30")], tok, 32)
     eos = tok.eos_token_id
     # row 1 is the longest: "10+20=" (6) + "30" (2) + EOS = 9 tokens, so row 0 gets 3 pads.
     # row 0: "1+2=" (4 tokens) then "3", EOS; prompt positions are ignored, padding too

@@ -145,13 +145,13 @@ def test_export_loads_in_plain_transformers_with_the_same_logits(family, family_
 @pytest.mark.parametrize("family", FAMILIES)
 def test_sft_trains_on_the_answer_only_never_on_the_user_turn_or_the_image_tokens(family, family_dirs):
     from regen.data import Demo
-    from regen.offline.sft import IGNORE, demo_vision, encode_demos, forward_args
+    from regen.offline.sft import IGNORE, encode_demos, forward_args
 
     policy = load_policy(family_dirs[family])
     proc, model, tok = policy.processor, policy.model, policy.tokenizer
     p = mixed_prompts(family)
     demos = [Demo(q.text, answer, {}, q.image) for q, answer in zip(p, ["red", "red circle", "circle"])]
-    ids, mask, labels = encode_demos(demos, proc, 512)
+    ids, mask, labels, vision = encode_demos(demos, proc, 512)
     for i, d in enumerate(demos):
         answer = tok(d.completion, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         n = int(mask[i].sum())
@@ -162,7 +162,7 @@ def test_sft_trains_on_the_answer_only_never_on_the_user_turn_or_the_image_token
     assert (ids == image_id).sum() > 0
     # the SFT loss's gradient reaches the logits only where they predict an answer token
     logits = model(input_ids=ids, attention_mask=mask,
-                   **forward_args(model, ids, mask, demo_vision(demos, proc, "cpu"), torch.arange(3))).logits
+                   **forward_args(model, ids, mask, vision, torch.arange(3))).logits
     logits.retain_grad()
     F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE).backward()
     grad_at = logits.grad[:, :-1].abs().sum(-1) > 0  # position t predicts token t+1
@@ -220,7 +220,7 @@ def test_a_chat_rendered_demo_trains_on_the_assistant_turn_only_with_its_image_i
     proc, tok = policy.processor, policy.tokenizer
     demo = Demo("what colour is the shape ?", "red", {}, [image(), image(seed=1)])
     [rendered] = render_demos([demo], proc, None, "data.train")
-    ids, mask, labels = encode_demos([rendered], proc, 512)
+    ids, mask, labels, _ = encode_demos([rendered], proc, 512)
     image_id = policy.model.config.image_token_id
     trained = labels[0] != IGNORE
     answer = tok("red", add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids("<|im_end|>")]

@@ -17,7 +17,7 @@ from regen.data import Demo, EpochSampler, load_pairs, load_prompts
 from regen.data.vision_inputs import VisionInputs
 from regen.modalities.lm_eval import fmt_eval, run_eval
 from regen.offline.books import Model, OfflineRun
-from regen.offline.sft import IGNORE, demo_vision, encode_demos, forward_args
+from regen.offline.sft import IGNORE, encode_demos, forward_args
 from regen.policies.lm import LMPolicy, apply_lora, configure_prompts, load_model_and_tokenizer, max_positions, resolve_device
 from regen.policies.vlm import check_trainable
 from regen.quality import Quality, gates
@@ -55,8 +55,8 @@ def _encode(pairs, tok, max_len, which: str, device, chat: bool = False):
     # chat: pairs rendered by the template (data.chat_template), which wrote the special tokens and the end of turn
     demos = [Demo(p.prompt, getattr(p, which), p.meta, p.image,
                   segments=[(p.prompt, False), (getattr(p, which), True)] if chat else None) for p in pairs]
-    ids, mask, labels = (t.to(device) for t in encode_demos(demos, tok, max_len))
-    return ids, mask, labels, demo_vision(demos, tok, device)
+    ids, mask, labels, vision = encode_demos(demos, tok, max_len)
+    return ids.to(device), mask.to(device), labels.to(device), None if vision is None else vision.to(device)
 
 
 def preference_accuracy(model, enc_c, enc_r) -> float:

@@ -25,18 +25,22 @@ from regen.runtime.rundir import setup_torch
 IGNORE = -100
 
 
-def encode_demos(demos: list[Demo], tok, max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded (N, L) input ids, attention mask, and labels that are IGNORE on the prompt.
-    `tok` may be a vision-language model's processor: the prompts' image tokens are then expanded
-    to the model's image positions (their pixels: `demo_vision`). A chat-rendered demonstration
-    (Demo.segments) is its pieces tokenised in order without adding special tokens (the template
-    wrote them), labelled on its assistant turns only; the others are prompt + completion + EOS."""
+def encode_demos(demos: list[Demo], tok, max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                 VisionInputs | None]:
+    """Right-padded (N, L) input ids, attention mask, labels that are IGNORE on the prompt, and the
+    rows' image inputs (None for text). `tok` may be a vision-language model's processor: the
+    prompts' image tokens are then expanded to the model's image positions, in the same call that
+    processes their images. A chat-rendered demonstration (Demo.segments) is its pieces tokenised
+    in order without adding special tokens (the template wrote them), labelled on its assistant
+    turns only; the others are prompt + completion + EOS."""
+    vision = None
     if any(d.segments is not None for d in demos):
-        rows = [_segments(d.segments, tok, d.image) for d in demos]
+        rows, pieces = zip(*[_segments(d.segments, tok, _image_of(d, tok)) for d in demos])
+        vision = VisionInputs(list(pieces)) if is_processor(tok) else None
         tok = tok.tokenizer if is_processor(tok) else tok
     else:
         if is_processor(tok):  # one batched call; each row's left padding dropped again
-            text, _ = encode(tok, [VisionPrompt(d.prompt, _image_of(d, tok)) for d in demos], True, "cpu")
+            text, vision = encode(tok, [VisionPrompt(d.prompt, _image_of(d, tok)) for d in demos], True, "cpu")
             p_ids = [ids[m.bool()].tolist() for ids, m in zip(text["input_ids"], text["attention_mask"])]
             tok = tok.tokenizer
         else:
@@ -53,38 +57,32 @@ def encode_demos(demos: list[Demo], tok, max_len: int) -> tuple[torch.Tensor, to
         ids[i, : len(seq)] = torch.tensor(seq)
         mask[i, : len(seq)] = 1
         labels[i, : len(seq)] = torch.tensor(lab)
-    return ids, mask, labels
+    return ids, mask, labels, vision
 
 
-def _segments(pieces: list[tuple[str, bool]], tok, image=None) -> tuple[list[int], list[int]]:
-    """(ids, labels) of a chat-rendered demonstration: labels are the ids on its trained pieces. With
-    a VLM's processor, a piece holding image markers is encoded with its images (each marker
-    expanded to the image's tokens, as when sampling)."""
-    ids, labels = [], []
+def _segments(pieces: list[tuple[str, bool]], tok, image=None) -> tuple[tuple[list[int], list[int]], dict]:
+    """((ids, labels), image inputs) of a chat-rendered demonstration: labels are the ids on its
+    trained pieces. With a VLM's processor, a piece holding image markers is encoded with its images
+    (each marker expanded to the image's tokens, as when sampling)."""
+    ids, labels, images_in = [], [], []
     images = VisionPrompt("", image).images
     for text, trained in pieces:
         k = text.count(tok.image_token) if is_processor(tok) else 0
         if k:
-            enc, _ = encode(tok, [VisionPrompt(text, images[:k])], False, "cpu")
+            enc, vision = encode(tok, [VisionPrompt(text, images[:k])], False, "cpu")
             t, images = enc["input_ids"][0].tolist(), images[k:]
+            images_in.append(vision.rows[0])
         else:
             t = (tok.tokenizer if is_processor(tok) else tok)(text, add_special_tokens=False)["input_ids"]
         ids += t
         labels += t if trained else [IGNORE] * len(t)
-    return ids, labels
+    return (ids, labels), VisionInputs(images_in).kwargs() if images_in else {}
 
 
 def _image_of(d: Demo, tok=None):
-    if d.image is None and not getattr(tok, "reads_no_image", False):
+    if d.image is None and is_processor(tok) and not getattr(tok, "reads_no_image", False):
         raise DataError(f"data.train: the model reads images but the row of prompt '{d.prompt[:60]}' has no 'image'")
     return d.image
-
-
-def demo_vision(demos: list[Demo], tok, device) -> VisionInputs | None:
-    """The demonstrations' image inputs (pixel_values, ...) of a VLM's processor, per row; None for text."""
-    if not is_processor(tok):
-        return None
-    return encode(tok, [VisionPrompt(d.prompt, _image_of(d, tok)) for d in demos], True, device)[1]
 
 
 def forward_args(model, ids: torch.Tensor, mask: torch.Tensor, vision: VisionInputs | None, rows) -> dict:
@@ -120,8 +118,9 @@ def sft(cfg: SFTConfig, resume: bool = False, force: bool = False) -> dict:
         check_trainable(model, cfg.model)  # model.freeze_vision
         policy = LMPolicy(model, tok, device)
         configure_prompts(policy, cfg)  # rollout.stop_tokens in its held-out evaluation
-        ids, mask, labels = (t.to(device) for t in encode_demos(demos, tok, max_positions(model)))
-        vision = demo_vision(demos, tok, device)
+        ids, mask, labels, vision = encode_demos(demos, tok, max_positions(model))
+        ids, mask, labels, vision = ids.to(device), mask.to(device), labels.to(device), \
+            None if vision is None else vision.to(device)
 
         def reload(folder):
             source = cfg.model if folder is None else cfg.model.model_copy(update={"path": str(folder), "init": None})
