@@ -45,21 +45,14 @@ def with_image(msgs: list[dict], image_token: str, count: int = 1) -> list[dict]
                          "content": [{"type": "image"}] * count + [{"type": "text", "text": last["content"]}]}]
 
 
-def _shown(msgs: list[dict], image, tokenizer) -> list[dict]:
-    """The conversation the template renders: a VLM's prompt with its image(s) placed (with_image)."""
+def _shown(msgs: list[dict], image, tokenizer, first_user: bool = False) -> list[dict]:
+    """The conversation the template renders: a VLM's image(s) placed (with_image) in the last turn
+    (a prompt), or in the first user turn (a demonstration, whose later turns include its answers)."""
     if image is None or not is_processor(tokenizer):
         return msgs
-    return with_image(msgs, tokenizer.image_token, len(image) if isinstance(image, list) else 1)
-
-
-def _images_in_first_user_turn(msgs: list[dict], image, tokenizer) -> list[dict]:
-    """A demonstration's conversation with its image(s) placed in the first user turn (the
-    template's image markers; the image tokens are then in the untrained context)."""
-    if image is None or not is_processor(tokenizer):
-        return msgs
-    u = next(k for k, m in enumerate(msgs) if m["role"] == "user")
-    return [*msgs[:u], *with_image(msgs[: u + 1], tokenizer.image_token, len(image) if isinstance(image, list)
-                                   else 1)[-1:], *msgs[u + 1:]]
+    u = next(k for k, m in enumerate(msgs) if m["role"] == "user") if first_user else len(msgs) - 1
+    count = len(image) if isinstance(image, list) else 1
+    return [*msgs[:u], *with_image(msgs[: u + 1], tokenizer.image_token, count)[-1:], *msgs[u + 1:]]
 
 
 def _require_template(tokenizer) -> None:
@@ -122,7 +115,7 @@ def render_demos(demos: list, tokenizer, system_prompt: str | None, where: str) 
     out = []
     for i, d in enumerate(demos):
         msgs = _with_system(_conversation(d, where, i), system_prompt)
-        shown = _images_in_first_user_turn(msgs, d.image, tokenizer)
+        shown = _shown(msgs, d.image, tokenizer, first_user=True)
         pieces, done, before = [], "", ""
         for j, m in enumerate(msgs):
             if m["role"] != "assistant":

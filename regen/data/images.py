@@ -1,7 +1,7 @@
 """Images in prompt rows, for vision-language models.
 
-A row's `image` field is one image, or a list of them (several images in one prompt, for the
-Qwen-VL families; the first is the one rewards see as Sample.media), each one of:
+A row's `image` field is one image, or a list of them (several images in one prompt; the first is
+the one rewards see as Sample.media), each one of:
   - a file path (PNG, JPEG, ...), absolute or relative to the data file's folder (then to the
     current directory);
   - base64 of an image file, bare or as a data URI ("data:image/png;base64,...");
