@@ -195,6 +195,15 @@ def test_dpo_scores_held_out_image_pairs_and_ppos_critic_is_the_vlm_backbone(met
         backbone = AutoModel.from_pretrained(critic)
         assert type(backbone).__name__ == "Qwen2_5_VLModel"
 
+        def by_suffix(w, part):  # the same tensors, whatever prefix each save gave their names
+            return {k[k.index(part):]: v for k, v in w.items() if part in k}
+
+        start, saved = load_file(f"{family_dirs['qwen2_5_vl']}/model.safetensors"), load_file(str(critic / "model.safetensors"))
+        vis0, vis1 = by_suffix(start, "visual."), by_suffix(saved, "visual.")
+        assert vis0.keys() == vis1.keys() and all(torch.equal(vis0[k], vis1[k]) for k in vis0)  # frozen, as the policy's
+        lm0, lm1 = by_suffix(start, "layers."), by_suffix(saved, "layers.")
+        assert any(not torch.equal(lm0[k], lm1[k]) for k in lm1 if k in lm0)  # the critic's language side trained
+
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_sft_runs_with_prompt_rows_and_with_the_chat_template(family, family_dirs, vqa_rows, tmp_path):

@@ -135,7 +135,7 @@ class VisionValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.head.bias)
         if freeze_vision is None or freeze_vision:  # as the policy's (model.freeze_vision)
             for n, p in self.backbone.named_parameters():
-                if any(part in f"model.{n}" for part in VISION_PARTS):
+                if any(part in n for part in VISION_PARTS):
                     p.requires_grad_(False)
 
     @classmethod
