@@ -87,8 +87,11 @@ FLOW_FAST = ["data.train=builtin:shapes:train", "data.eval=null", "rollout.globa
 VLM_FAST = ["data.train=builtin:shapes-vqa:train", "data.eval=null", "rollout.global_batch_size=16",
             "rollout.group_size=4", "rollout.max_new_tokens=2", "log.progress=none", "log.tensorboard=false",
             "optim.lr=1e-3", "run.threads=2", "reward=[{name: exact_match}]"]
-FAST_OF = {"lm": LM_FAST, "flow": FLOW_FAST, "vlm": VLM_FAST}
-BASE_OF = {"lm": "base_model", "flow": "flow_base", "vlm": "vlm_base"}  # the fixture of each kind's start model
+# a tiny untrained Qwen2.5-VL (M-RoPE, packed images): a reward that varies between its samples, so updates happen
+QWEN_FAST = [*VLM_FAST[:-1], "reward=[{name: 'tests.reward_fixtures:answer_words'}]"]
+FAST_OF = {"lm": LM_FAST, "flow": FLOW_FAST, "vlm": VLM_FAST, "qwen": QWEN_FAST}
+# the fixture of each kind's start model
+BASE_OF = {"lm": "base_model", "flow": "flow_base", "vlm": "vlm_base", "qwen": "qwen_vlm_base"}
 
 
 @pytest.fixture(scope="session")
@@ -113,6 +116,11 @@ def family_dirs(tmp_path_factory) -> dict:
         tiny_vlms.save(fam, folder, shapes_vqa.words(), seed=0)
         out[fam] = str(folder)
     return out
+
+
+@pytest.fixture(scope="session")
+def qwen_vlm_base(family_dirs) -> str:
+    return family_dirs["qwen2_5_vl"]
 
 
 @pytest.fixture(scope="session")
@@ -152,7 +160,8 @@ def joint_args(enhancer, painter, run, *extra) -> list[str]:
 
 class Job:
     """`regen train` of a tiny language model (GRPO on arithmetic), flow model (NFT on shapes),
-    vision-language model (GRPO on questions about shapes images) or a joint run (an enhancer LM
+    vision-language model (GRPO on questions about shapes images: "vlm" a LLaVA, "qwen" a
+    Qwen2.5-VL) or a joint run (an enhancer LM
     feeding the shapes painter, `joint_args`; its base is the pair)."""
 
     def __init__(self, kind: str, base):

@@ -18,7 +18,7 @@ from regen.cli import main
 from tests.conftest import BASE_OF, Job, NaNAt, make_job, read_jsonl, same_run
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = {"lm": 8, "flow": 4, "vlm": 6}  # of the kill / signal runs
+STEPS = {"lm": 8, "flow": 4, "vlm": 6, "qwen": 6}  # of the kill / signal runs
 
 
 def free_port() -> int:
@@ -118,7 +118,7 @@ def test_persistent_nan_rolls_back_lowers_lr_and_alerts(job, tmp_path, monkeypat
 # ------------------------------------------------------------------ real signals to a real process
 
 
-@pytest.fixture(scope="module", params=["lm", "flow", "vlm"])
+@pytest.fixture(scope="module", params=["lm", "flow", "vlm", "qwen"])
 def signalled(request, tmp_path_factory):
     """(job, its uninterrupted reference run) of the kill and signal tests."""
     job = Job(request.param, request.getfixturevalue(BASE_OF[request.param]))
