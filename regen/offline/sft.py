@@ -79,7 +79,7 @@ def _segments(pieces: list[tuple[str, bool]], tok, image=None) -> tuple[tuple[li
     return (ids, labels), VisionInputs(images_in).kwargs() if images_in else {}
 
 
-def _image_of(d: Demo, tok=None):
+def _image_of(d: Demo, tok):
     if d.image is None and is_processor(tok) and not getattr(tok, "reads_no_image", False):
         raise DataError(f"data.train: the model reads images but the row of prompt '{d.prompt[:60]}' has no 'image'")
     return d.image
@@ -88,11 +88,9 @@ def _image_of(d: Demo, tok=None):
 def forward_args(model, ids: torch.Tensor, mask: torch.Tensor, vision: VisionInputs | None, rows) -> dict:
     """Keyword arguments of the forward over these (right-padded) rows: their images, and for an
     M-RoPE model (the Qwen-VL families) the positions the sampler gives the same tokens."""
-    if vision is None:
-        return {}
+    if vision is None or not is_packed(model):
+        return image_args(model, ids, vision, rows)  # Gemma 3: with token_type_ids
     images = vision.kwargs(rows)
-    if not is_packed(model):
-        return image_args(model, ids, images)  # Gemma 3: with token_type_ids
     return {**images, "position_ids": model_positions(rope_positions(model, ids, mask, images))}
 
 

@@ -68,8 +68,7 @@ class Critic:
         predict that token, so V_t scores (prompt, response[:t])."""
         out = self.forward_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                                  position_ids=model_positions(batch.position_ids),
-                                 **({} if batch.vision is None else
-                                    image_args(self.model, batch.input_ids, batch.vision.kwargs())))
+                                 **image_args(self.model, batch.input_ids, batch.vision))
         return out.logits[:, batch.prompt_width - 1 : -1, 0].float()
 
     @torch.no_grad()

@@ -148,7 +148,7 @@ class LMPolicy:
         if p_pos is None:
             p_pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
         out = model(input_ids=enc["input_ids"], attention_mask=prompt_mask, position_ids=model_positions(p_pos),
-                    use_cache=True, **_image_args(model, enc["input_ids"], vision))
+                    use_cache=True, **image_args(model, enc["input_ids"], vision))
         past, logits = _cache_of(out), self.ban(out.logits[:, -1]).repeat_interleave(n, 0)
         past.batch_repeat_interleave(n)
         prompt_ids = enc["input_ids"].repeat_interleave(n, 0)
@@ -230,7 +230,7 @@ class LMPolicy:
         else:
             out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                         position_ids=model_positions(batch.position_ids),
-                        **_image_args(model, batch.input_ids, batch.vision))
+                        **image_args(model, batch.input_ids, batch.vision))
             logits = out.logits[:, batch.prompt_width - 1 : -1]  # position t predicts token t+1
         logp_all = F.log_softmax(self.ban(logits.float()) / temperature, -1)
         logp = logp_all.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)
@@ -290,7 +290,7 @@ def _shared_prefix_logits(model, batch: LMRollout, n: int) -> torch.Tensor:
         # the prompt, and its image through the vision tower, once per group
         out = model(input_ids=batch.input_ids[rep, :P], attention_mask=batch.attention_mask[rep, :P],
                     position_ids=model_positions(pos[rep][..., :P]), use_cache=L > 1,
-                    **_image_args(model, batch.input_ids[rep, :P], batch.vision, rep))
+                    **image_args(model, batch.input_ids[rep, :P], batch.vision, rep))
         # index_select, not logits[inv] / Cache.batch_select_indices: the backward of advanced indexing
         # with repeated indices (index_put_ with accumulate) adds in a thread-dependent order on CPU, so two
         # identical runs at 2 threads drifted apart in the 8th digit; index_select's backward does not
@@ -331,12 +331,6 @@ def _length_buckets(lengths: torch.Tensor) -> list[torch.Tensor]:
     if best_k == B:
         return [torch.arange(B, device=lengths.device)]
     return [order[:best_k], order[best_k:]]
-
-
-def _image_args(model, input_ids: torch.Tensor, vision: VisionInputs | None, rows=None) -> dict:
-    """The image inputs of rows `rows` (all for None) as forward keyword arguments of the forward
-    over `input_ids` (those rows' ids); {} for text."""
-    return {} if vision is None else image_args(model, input_ids, vision.kwargs(rows))
 
 
 def _cache_arg(model) -> str:

@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from regen.errors import UserError
-from regen.policies.lm import _cache_arg, _cache_of, _image_args, sample_token
+from regen.policies.lm import _cache_arg, _cache_of, sample_token
 from regen.policies.lm_rollout import LMRollout
-from regen.policies.vlm import VisionPrompt
+from regen.policies.vlm import VisionPrompt, image_args
 from regen.policies.vlm_packed import model_positions
 
 
@@ -164,7 +164,7 @@ class EpisodeSampler:
         if rope and self.reencode:
             raise UserError("episode re-encoding (bench/episode_kv.py) is for text models")
         out = model(input_ids=enc["input_ids"], attention_mask=prompt_mask, position_ids=model_positions(p_pos),
-                    use_cache=True, **_image_args(model, enc["input_ids"], vision))
+                    use_cache=True, **image_args(model, enc["input_ids"], vision))
         past, logits = _cache_of(out), p.ban(out.logits[:, -1]).repeat_interleave(n, 0)
         past.batch_repeat_interleave(n)
         prompt_ids, mask = enc["input_ids"].repeat_interleave(n, 0), prompt_mask.repeat_interleave(n, 0)

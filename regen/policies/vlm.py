@@ -147,9 +147,11 @@ def encode(processor, prompts: list[VisionPrompt], add_special_tokens: bool, dev
 BLOCK_ATTENTION = ("gemma3",)
 
 
-def image_args(model, input_ids: torch.Tensor, images: dict) -> dict:
-    """A forward's image keyword arguments: the rows' image tensors and, for Gemma 3, token_type_ids
-    marking the image tokens (1) from the ids themselves; {} without images."""
+def image_args(model, input_ids: torch.Tensor, vision: VisionInputs | None, rows=None) -> dict:
+    """A forward's image keyword arguments over `input_ids` (rows `rows` of a batch, all for None):
+    those rows' image tensors and, for Gemma 3, token_type_ids marking the image tokens (1) from
+    the ids themselves; {} for text or rows without images."""
+    images = {} if vision is None else vision.kwargs(rows)
     if not images:
         return {}
     cfg = base_model(model).config
