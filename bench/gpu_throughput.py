@@ -28,6 +28,10 @@ the peak memory the loop reached can be read afterwards:
 - `lm_vllm_ray`: `distributed.mode=ray` with the vLLM engine on one rollout actor that shares the GPU
   (`rollout_resources` num_gpus 0.4), weights synced in bf16 buckets after every update; its row adds the
   median `sync/s` and `sync/mb`. Skipped with a line when vLLM or Ray is not installed.
+- `nft_flux`: DiffusionNFT on a randomly initialised FLUX.1-dev-style model (regen's `FluxFlowPolicy`:
+  diffusers `FluxTransformer2DModel` at FLUX.1's real width, 24 heads of 128, guidance embedding 3.5, 2 double
+  + 4 single blocks: 1.25B of the real 11.9B, `--flux-depth 19,38` for all of it) on 512x512 images (16-channel
+  64x64 latents packed into 1024 tokens), 512 T5 tokens; the resolution-dependent shift of FLUX's scheduler.
 - `nft`, `flow_grpo`: DiffusionNFT and Flow-GRPO on a randomly initialised SD3-style flow model
   (regen's `SD3FlowPolicy`: diffusers `SD3Transformer2DModel`, 16 joint blocks x width 1024, 16 heads
   of 64, 2x2 patches; 596M trained parameters, against SD3-medium's 24 x 1536, 2B) over 16-channel
@@ -57,6 +61,7 @@ Run from the repository root with the project's virtualenv:
 
     python bench/gpu_throughput.py --only lm_generate,lm,lm_colocate,lm_vllm,lm_vllm_ray --out /tmp/gpu_lm.json  # GPU: LM
     python bench/gpu_throughput.py --only flow --out /tmp/gpu_flow.json                   # GPU: the flow parts
+    python bench/gpu_throughput.py --only nft_flux --flow-batch 16 --out /tmp/gpu_flux.json  # GPU: FLUX-sized
     python bench/gpu_throughput.py --only lm --steps 20 --lm-batch 128    # one part, other sizes
     python bench/gpu_throughput.py --tiny --out /tmp/gt.json              # CPU smoke test, ~10 s on 2 cores
 """
@@ -86,6 +91,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from regen.policies.flow_flux import TINY as TINY_FLUX  # noqa: E402
+from regen.policies.flow_flux import random_flux  # noqa: E402
 from regen.policies.flow_sd3 import TINY as TINY_SD3  # noqa: E402
 from regen.policies.flow_sd3 import random_sd3  # noqa: E402
 
@@ -124,7 +131,13 @@ SD3_MEDIUM = dict(
     text_len=77,
     joint=512,
 )
-PARTS = ("lm_generate", "lm", "lm_colocate", "lm_vllm", "lm_vllm_ray", "nft", "flow_grpo")
+# FLUX.1's transformer at its real width (black-forest-labs/FLUX.1-dev transformer/config.json: 24 heads of 128,
+# rotary axes (16, 56, 56), 64 packed channels, T5 width 4096, CLIP pooled 768, guidance embedding) cut from
+# 19 double + 38 single blocks (11.9B) to 2 + 4 (1.25B; --flux-depth 19,38 for the whole), 512x512 images
+# (64x64 latents, 1024 packed tokens), small random text encoders (CLIP 77 tokens, T5 one layer, 512 tokens)
+FLUX_DEV = dict(size=512, vae=(32, 64, 128, 128), groups=8, latent=16, layers=2, single_layers=4, heads=24,
+                head_dim=128, rope=(16, 56, 56), clip=768, t5=4096, text_len=77, t5_len=512)
+PARTS = ("lm_generate", "lm", "lm_colocate", "lm_vllm", "lm_vllm_ray", "nft", "flow_grpo", "nft_flux")
 # the language-model parts: the same GRPO run, alone, colocated (distributed.colocate: AdamW state parked in CPU
 # memory while sampling, each phase's peak logged), and colocated with an in-process vLLM engine put to sleep
 # for every update (skipped with a line where vLLM is not installed)
@@ -391,6 +404,7 @@ def main() -> None:
         help="model.dtype, the parameter dtype of both models (default bfloat16 on CUDA, float32 on CPU)",
     )
     p.add_argument("--only", help="comma-separated subset of: " + ",".join(PARTS) + " ('flow' = nft,flow_grpo)")
+    p.add_argument("--flux-depth", default="2,4", help="nft_flux: double,single blocks (default 2,4; FLUX.1: 19,38)")
     p.add_argument("--lm-batch", type=int, help="completions per LM step, 8 per prompt (default 64; 16 with --tiny)")
     p.add_argument("--max-new-tokens", type=int, help="rollout.max_new_tokens of the LM (default 128; 16 with --tiny)")
     p.add_argument("--flow-batch", type=int, help="images per flow step, 8 per prompt (default 32; 8 with --tiny)")
@@ -432,6 +446,11 @@ def main() -> None:
         if b % 8:
             p.error(f"{what} {b}: must be a multiple of the group size 8")
     lm_shape, sd3 = (TINY_LM, TINY_SD3) if a.tiny else (QWEN25_05B, SD3_MEDIUM)
+    try:
+        double, single = (int(x) for x in a.flux_depth.split(","))
+    except ValueError:
+        p.error(f"--flux-depth {a.flux_depth!r}: two block counts, double,single (e.g. 19,38)")
+    flux = TINY_FLUX if a.tiny else {**FLUX_DEV, "layers": double, "single_layers": single}
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as hf_logging
@@ -458,6 +477,7 @@ def main() -> None:
         "extra_overrides": a.set,
         "lm_shape": lm_shape,
         "flow_shape": sd3,
+        "flux_shape": flux,
     }
     print(" ".join(f"{k}={v}" for k, v in env.items()), flush=True)
     print(
@@ -558,14 +578,21 @@ def main() -> None:
             print(HEADER + "\n" + row_line(results[-1], baseline(results)), flush=True)
             save()
         flow_parts = [x for x in parts if x not in LM_PARTS]
-        if flow_parts:
-            t0 = time.perf_counter()
-            n = random_sd3(work / "sd3", a.seed, False, **sd3)
-            build_s = time.perf_counter() - t0
-            prompts = write_prompts(work / "prompts.jsonl")
-            px = sd3["size"]
-            label = f"SD3-style {sd3['layers']}x{sd3['heads'] * sd3['head_dim']} {px}px"
+        prompts = write_prompts(work / "prompts.jsonl")
+        built: dict[str, tuple] = {}  # model folder -> (parameters, seconds to build, label)
         for algo in flow_parts:
+            name = "flux" if algo == "nft_flux" else "sd3"
+            if name not in built:
+                t0 = time.perf_counter()
+                if name == "flux":
+                    n = random_flux(work / name, a.seed, True, **flux)
+                    label = f"FLUX-dev-style {flux['layers']}+{flux['single_layers']}x{flux['heads'] * flux['head_dim']} " \
+                            f"{flux['size']}px"
+                else:
+                    n = random_sd3(work / name, a.seed, False, **sd3)
+                    label = f"SD3-style {sd3['layers']}x{sd3['heads'] * sd3['head_dim']} {sd3['size']}px"
+                built[name] = (n, time.perf_counter() - t0, label)
+            n, build_s, label = built[name]
             print(
                 f"\n== {algo}: {label}, {fmt_params(n)} transformer params (built and saved in {build_s:.1f} s); "
                 f"{steps} steps x {flow_batch} images x 10 sampling steps; stops by {a.part_limit:.0f} s",
@@ -574,9 +601,9 @@ def main() -> None:
             run_dir = work / f"run-{algo}"
             overrides = [
                 *common,
-                f"model.path={work / 'sd3'}",
+                f"model.path={work / name}",
                 f"run.dir={run_dir}",
-                f"algorithm.name={algo}",
+                f"algorithm.name={algo.removesuffix('_flux')}",
                 f"data.train={prompts}",
                 f"rollout.global_batch_size={flow_batch}",
                 "flow.steps=10",

@@ -118,6 +118,37 @@ def family_dirs(tmp_path_factory) -> dict:
     return out
 
 
+# The flow-model families of docs/images-and-videos.md#supported-models, each built tiny from its real
+# diffusers classes
+FLOW_FAMILIES = ("sd3", "wan", "flux-dev", "flux-schnell")
+
+
+def tiny_flow(family: str, folder) -> Path:
+    from regen.policies.flow_flux import tiny_flux
+    from regen.policies.flow_sd3 import tiny_sd3
+    from regen.policies.flow_wan import tiny_wan
+
+    if family.startswith("flux"):
+        return tiny_flux(folder, dev=family == "flux-dev")
+    return {"sd3": tiny_sd3, "wan": tiny_wan}[family](folder)
+
+
+@pytest.fixture(scope="session")
+def flow_family_dirs(tmp_path_factory) -> dict:
+    """One untrained tiny pipeline folder per flow-model family (FLOW_FAMILIES)."""
+    return {fam: str(tiny_flow(fam, tmp_path_factory.mktemp(fam))) for fam in FLOW_FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def flow_prompts(tmp_path_factory) -> str:
+    """Eight prompts in the tiny tokenizers' words."""
+    words = ["a red circle at the left", "a blue square at the top", "a green triangle", "a cat",
+             "a yellow circle at the bottom", "a white square", "a photo of a dog", "the red triangle at the right"]
+    path = tmp_path_factory.mktemp("flow_prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": w}) + "\n" for w in words))
+    return str(path)
+
+
 @pytest.fixture(scope="session")
 def qwen_vlm_base(family_dirs) -> str:
     return family_dirs["qwen2_5_vl"]

@@ -151,7 +151,8 @@ CASES = [
     ("dpo", (), "algorithm.dpo_beta=0.5"), ("dpo", (), "algorithm.dpo_label_smoothing=0.2"),
     ("dpo", (), "algorithm.dpo_loss=ipo"),
     ("flow_grpo", (), "flow.steps=3"), ("flow_grpo", FLOW_EVAL, "flow.eval_steps=3"), ("flow_grpo", (), "flow.shift=3.0"),
-    ("flow_grpo", (), "flow.guidance=2.0"), ("flow_grpo", (), "flow.weight_ema=0.5"), ("flow_grpo", (), "flow.adv_clip=0.5"),
+    ("flow_grpo", (), "flow.guidance=2.0"), ("nft", ("model.path=FLUXDEV",), "flow.guidance_embed=2.0"),
+    ("flow_grpo", (), "flow.weight_ema=0.5"), ("flow_grpo", (), "flow.adv_clip=0.5"),
     ("flow_grpo", (), "algorithm.std_normalize=none"), ("flow_grpo", (), "algorithm.std_normalize=batch"),
     ("flow_grpo", ("train.ppo_epochs=2",), "algorithm.clip_low=0.000001"),
     ("flow_grpo", ("train.ppo_epochs=2",), "algorithm.clip_high=0.000001"),
@@ -270,8 +271,13 @@ def two_steps(base_model, flow_base, critic_folder, tiny_clip, tmp_path_factory)
         if not any(s.startswith("data.eval") for s in settings):
             extra.append("data.eval=null")
         clip2 = make_tiny_clip(root / "clip2", seed=1) if not (root / "clip2").exists() else root / "clip2"
+        flux = root / "flux_dev"  # a tiny FLUX.1-dev-style folder: its transformer embeds the guidance
+        if any("FLUXDEV" in s for s in settings) and not flux.exists():
+            from regen.policies.flow_flux import tiny_flux
+
+            tiny_flux(flux, dev=True)
         settings_ = [s.replace("CRITIC", str(critic_folder)).replace("CLIP2", str(clip2)).replace("CLIP", str(tiny_clip))
-                     for s in settings]
+                     .replace("FLUXDEV", str(flux)) for s in settings]
         assert main([*common, *extra, *settings_]) == 0, settings_
         cache[(method, settings)] = _fingerprint(folder)
         return cache[(method, settings)]

@@ -221,7 +221,10 @@ def test_incomplete_and_foreign_folders_are_clear_errors(folders, tmp_path):
     flux = tmp_path / "flux"
     flux.mkdir()
     (flux / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
-    with pytest.raises(UserError, match="diffusers FluxPipeline folder"):
+    with pytest.raises(UserError, match=r"has no transformer/, vae/, .* \(a FLUX pipeline folder needs"):
+        load_flow_policy(model_cfg(flux), 0, CPU)
+    (flux / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionXLPipeline"}))
+    with pytest.raises(UserError, match="diffusers StableDiffusionXLPipeline folder; regen does not train it"):
         is_flow_model(model_cfg(flux))
 
 

@@ -5,6 +5,7 @@ frozen copies it keeps, and its code in regen/modalities/flow_methods.py."""
 from __future__ import annotations
 
 from regen.config.eval import ALIGNED, DISTRIBUTION
+from regen.config.model import has_guidance_embed
 from regen.config.registry import Method, Modality, always, register_method, register_modality, when
 
 IMPL = "regen.modalities.flow_methods:"
@@ -19,6 +20,9 @@ MEDIA_QUALITY = (  # what the image / video metrics compare with
 register_modality(Modality("flow", "flow-matching models", "regen.modalities.flow:FlowModality", reads=(
     *always("flow.steps", "flow.eval_steps", "flow.shift", "flow.guidance", "flow.weight_ema", "flow.adv_clip",
             "algorithm.std_normalize", "train.gradient_checkpointing", "flow.sampler"),
+    *when("with a guidance-distilled model (FLUX.1-dev: its transformer embeds the guidance; the others' "
+          "guidance is flow.guidance)", lambda c: c.model is not None and has_guidance_embed(c.model),
+          "flow.guidance_embed"),
     *MEDIA_QUALITY)))
 
 SDE = (  # the methods trained on stochastic (SDE) sampling steps

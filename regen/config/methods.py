@@ -38,7 +38,10 @@ class CriticConfig(Section):
 class FlowConfig(Section):
     steps: int = Field(10, ge=1, description="Sampling steps of a training rollout.")
     eval_steps: int = Field(20, ge=1, description="Euler ODE steps when sampling for evaluation.")
-    shift: float = Field(1.0, gt=0.0, description="SD3 time shift of the sigma grid (1 = linear).")
+    shift: float | None = Field(
+        None, gt=0.0, description="Time shift of the sigma grid, sigma' = shift sigma / (1 + (shift - 1) sigma) "
+        "(SD3; 1 = linear). null = the model's own: a diffusers folder's scheduler (SD3, Wan: its shift; FLUX-dev: "
+        "the resolution-dependent shift for this image size), 1 for the built-in models.")
     sampler: Literal["ode", "sde", "cps"] | None = Field(
         None, description="How training rollouts sample: 'ode' (deterministic; nft, awm, dgpo) or, for flow_grpo / "
         "flow_dppo, the stochastic step: Flow-GRPO's 'sde' or coefficients-preserving 'cps'. null = sde for "
@@ -60,6 +63,11 @@ class FlowConfig(Section):
     window_start: int = Field(0, ge=0, description="First SDE step of the window.")
     window_shift_every: int = Field(25, ge=1, description="moving: training steps per one-step slide.")
     guidance: float = Field(1.0, gt=0.0, description="Classifier-free guidance scale when sampling (1 = off).")
+    guidance_embed: float | None = Field(
+        None, gt=0.0, description="Guidance-distilled models (FLUX.1-dev: a guidance embedding instead of CFG): the "
+        "guidance value the transformer is given, in training and evaluation, kept in the export's "
+        "flow_policy.json. null = the folder's value, else 3.5 (FluxPipeline's default). Refused for models "
+        "without a guidance embedding.")
     adv_clip: float = Field(5.0, gt=0.0, description="Flow methods: advantages clipped to +-adv_clip (and NFT's C).")
     dppo_tau: float = Field(1e-5, gt=0.0, description="flow_dppo: KL threshold of the trust region.")
     nft_beta: float = Field(1.0, gt=0.0, description="DiffusionNFT beta (implicit positive/negative policies).")

@@ -50,7 +50,9 @@ class ModelConfig(Section):
 
 # What kind of model a config names (which modality trains it), read from the folder without loading it.
 FLOW_RECIPES = {"shapes-unet": False, "moving-shapes-unet": True}  # model.init of a flow model -> video?
-PIPELINES = {"StableDiffusion3Pipeline": "sd3", "WanPipeline": "wan"}  # model_index.json _class_name -> kind
+# model_index.json _class_name -> kind
+PIPELINES = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux", "WanPipeline": "wan"}
+NOT_YET = {"QwenImagePipeline": "Qwen-Image", "HunyuanVideoPipeline": "HunyuanVideo"}  # refused by the family's name
 
 
 def read_json(path: Path) -> dict:
@@ -60,8 +62,14 @@ def read_json(path: Path) -> dict:
         raise UserError(f"model.path: cannot read {path}: {e}") from None
 
 
+def has_guidance_embed(model_cfg: ModelConfig) -> bool:
+    """A guidance-distilled flow model (FLUX.1-dev): its transformer embeds the guidance value."""
+    p = Path(str(model_cfg.path or "")).expanduser() / "transformer" / "config.json"
+    return model_cfg.path is not None and p.is_file() and bool(read_json(p).get("guidance_embeds"))
+
+
 def model_kind(path) -> str | None:
-    """The kind of flow model at `path` ('sd3', 'wan', or a built-in kind), None when it is
+    """The kind of flow model at `path` ('sd3', 'flux', 'wan', or a built-in kind), None when it is
     not one (a language model, a hub id)."""
     p = Path(str(path)).expanduser()
     if (p / "flow_policy.json").is_file():
@@ -69,9 +77,10 @@ def model_kind(path) -> str | None:
     if (p / "model_index.json").is_file():
         name = read_json(p / "model_index.json").get("_class_name")
         if name not in PIPELINES:
+            what = f"a {NOT_YET[name]} pipeline ({name})" if name in NOT_YET else f"a diffusers {name} folder"
             raise UserError(
-                f"model.path: '{path}' is a diffusers {name} folder; regen trains "
-                f"{' and '.join(PIPELINES)} folders and its own flow models"
+                f"model.path: '{path}' is {what}; regen does not train it (yet): it trains "
+                f"{', '.join(PIPELINES)} folders and its own flow models (docs/images-and-videos.md#supported-models)"
             )
         return PIPELINES[name]
     return None
@@ -79,7 +88,7 @@ def model_kind(path) -> str | None:
 
 def is_flow_model(model_cfg: ModelConfig) -> bool:
     """A flow-matching image / video model: a built-in flow recipe, a regen flow folder
-    (flow_policy.json) or a diffusers SD3 / Wan pipeline folder."""
+    (flow_policy.json) or a diffusers SD3 / FLUX / Wan pipeline folder."""
     if model_cfg.init is not None:
         return model_cfg.init in FLOW_RECIPES
     return model_kind(model_cfg.path) is not None

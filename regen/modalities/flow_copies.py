@@ -23,8 +23,9 @@ def build_policy(cfg, device: torch.device, model_dir: Path | None = None) -> Fl
     lora = cfg.model.lora
     source = cfg.model if model_dir is None or lora is not None else ckpt.resumed_model(cfg.model, {"model_dir": model_dir})
     policy = load_flow_policy(source, cfg.run.seed, device)
+    policy.set_guidance_embed(cfg.flow.guidance_embed)
     if lora is not None:
-        add_lora(policy.unet, lora, cfg.run.seed)
+        add_lora(policy.unet, lora, cfg.run.seed, getattr(policy, "LORA_TARGETS", None))
         if model_dir is not None:
             load_adapter(policy.unet, model_dir)
     # RL trains the velocity model only; the prompt encoder stays as pretrained, as text

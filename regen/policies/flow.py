@@ -231,17 +231,30 @@ class FlowPolicy:
 
     # ---------------------------------------------------------------- sampling
 
+    def sigmas(self, steps: int, shift: float | None) -> torch.Tensor:
+        """(steps + 1,) sigma grid from 1 to 0 (flow.shift; null: the model's own, 1 here)."""
+        from regen.samplers.flow import sigma_schedule
+
+        return sigma_schedule(steps, 1.0 if shift is None else shift)
+
+    def set_guidance_embed(self, value: float | None) -> None:
+        """flow.guidance_embed, for models with a guidance embedding (FLUX-dev); config
+        validation refuses it for the others."""
+        if value is not None:
+            raise UserError(f"flow.guidance_embed={value}: this {self.kind} model has no guidance embedding "
+                            "(its guidance is flow.guidance, classifier-free)")
+
     @torch.no_grad()
-    def sample_ode(self, prompts: list[str], n: int, gen: torch.Generator, steps: int = 20, shift: float = 1.0,
-                   guidance: float = 1.0) -> FlowSample:
+    def sample_ode(self, prompts: list[str], n: int, gen: torch.Generator, steps: int = 20,
+                   shift: float | None = 1.0, guidance: float = 1.0) -> FlowSample:
         """n samples per prompt (consecutive rows form a group) with the Euler ODE."""
-        from regen.samplers.flow import euler_step, sigma_schedule
+        from regen.samplers.flow import euler_step
 
         prompts = [p for p in prompts for _ in range(n)]
         B = len(prompts)
         cond = self.encoder(prompts)
         null = self.encoder([""] * B)
-        sigmas = sigma_schedule(steps, shift).to(self.device)
+        sigmas = self.sigmas(steps, shift).to(self.device)
         x = torch.randn((B, *self.sample_shape), generator=gen).to(self.device)
         for i in range(steps):
             v = self.guided_velocity(x, sigmas[i].expand(B), cond, null, guidance)
@@ -250,7 +263,7 @@ class FlowPolicy:
 
     @torch.no_grad()
     def rollout(self, prompts: list[str], n: int, noise, steps: int, sde: torch.Tensor,
-                noise_level: float, sampler: str = "sde", shift: float = 1.0, guidance: float = 1.0,
+                noise_level: float, sampler: str = "sde", shift: float | None = 1.0, guidance: float = 1.0,
                 keep_states: bool = True, keep_means: bool = False, solver: str = "euler") -> FlowSample:
         """n samples per prompt; steps where `sde` (S,) is True are stochastic (Flow-GRPO SDE or
         CPS) and get a log-prob, the others are Euler ODE steps (log-prob 0). keep_states stores
@@ -260,7 +273,7 @@ class FlowPolicy:
         others]) for these rows, from `FlowPlan` (regen/modalities/flow.py: drawn for the whole
         batch and sliced, so a row's sample does not depend on which process drew it), or a
         torch.Generator to draw them from here. solver: the ODE steps' Euler or Heun step."""
-        from regen.samplers.flow import cps_step, euler_step, heun_step, sde_step, sigma_schedule
+        from regen.samplers.flow import cps_step, euler_step, heun_step, sde_step
 
         prompts = [p for p in prompts for _ in range(n)]
         B = len(prompts)
@@ -268,7 +281,7 @@ class FlowPolicy:
             noise = draw_noise(noise, B, self.sample_shape, sde)
         x_T, eps = noise
         cond, null = self.encoder(prompts), self.encoder([""] * B)
-        sig = sigma_schedule(steps, shift).tolist()
+        sig = self.sigmas(steps, shift).tolist()
         x = x_T.to(self.device)
         states, logps, means = [x], torch.zeros(B, steps), [None] * steps
         for i in range(steps):

@@ -1,5 +1,5 @@
-"""What the diffusers latent flow policies (SD3 images in `flow_sd3`, Wan videos in `flow_wan`)
-share: a diffusers transformer as the velocity network, frozen text encoders as the prompt
+"""What the diffusers latent flow policies (SD3 and FLUX images in `flow_sd3` / `flow_flux`, Wan
+videos in `flow_wan`) share: a diffusers transformer as the velocity network, frozen text encoders as the prompt
 conditioner, a frozen VAE between latents and pixels, and a pipeline-shaped folder.
 
 The sampling code (`sample_ode`, `rollout`, `step_logprobs`) is FlowPolicy's, unchanged: the
@@ -30,6 +30,10 @@ from regen.policies.flow import FlowPolicy
 
 
 def policy_class(kind: str) -> type[FlowPolicy]:
+    if kind == "flux":
+        from regen.policies.flow_flux import FluxFlowPolicy
+
+        return FluxFlowPolicy
     if kind == "sd3":
         from regen.policies.flow_sd3 import SD3FlowPolicy
 
@@ -39,6 +43,39 @@ def policy_class(kind: str) -> type[FlowPolicy]:
 
         return WanFlowPolicy
     return FlowPolicy
+
+
+def resolution_mu(seq_len: int, cfg) -> float:
+    """mu of the resolution-dependent shift (Esser et al. 2024, SD3 sec. 5.3.2; FLUX.1): linear
+    in the image's token count from base_shift at base_image_seq_len to max_shift at
+    max_image_seq_len; the shifted sigma is exp(mu) / (exp(mu) + 1 / sigma - 1)."""
+    base_len, max_len = cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096)
+    base, top = cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15)
+    return base + (top - base) * (seq_len - base_len) / (max_len - base_len)
+
+
+def own_sigmas(scheduler, steps: int, seq_len: int, linspace: bool) -> torch.Tensor:
+    """(steps + 1,) sigmas of a model's own FlowMatchEulerDiscreteScheduler, as its pipeline asks
+    for them (every shift option the scheduler has: fixed, resolution-dependent from `seq_len`,
+    shift_terminal): linspace=True as FluxPipeline (`sigmas=linspace(1, 1/steps, steps)`), False
+    as StableDiffusion3Pipeline and WanPipeline (`set_timesteps(steps)`). Another scheduler
+    class (Wan 2.1's UniPC) is a multistep solver regen does not reproduce: its flow_shift /
+    shift in regen's grid."""
+    import numpy as np
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from regen.samplers.flow import sigma_schedule
+
+    cfg = scheduler.config
+    if not isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
+        return sigma_schedule(steps, float(cfg.get("flow_shift") or cfg.get("shift") or 1.0))
+    own = FlowMatchEulerDiscreteScheduler.from_config(cfg)  # a copy: set_timesteps keeps state
+    mu = resolution_mu(seq_len, cfg) if cfg.get("use_dynamic_shifting") else None
+    if linspace:
+        own.set_timesteps(sigmas=np.linspace(1.0, 1.0 / steps, steps), mu=mu)
+    else:
+        own.set_timesteps(steps, mu=mu)
+    return own.sigmas.float().cpu()
 
 
 def load_text_model(folder: Path, default: str, dtype: torch.dtype):
@@ -73,6 +110,7 @@ class LatentFlowPolicy(FlowPolicy):
     KIND = TRANSFORMER = VAE = LAYOUT = ""  # the kind and the diffusers class names
     SCHEDULER = "FlowMatchEulerDiscreteScheduler"  # written when the source folder had none
     PARTS: tuple[str, ...] = ()  # required subfolders
+    LINSPACE = False  # the pipeline passes sigmas=linspace(1, 1/n, n) to its scheduler (FLUX) or not
 
     def __init__(self, transformer, encoder, vae, scheduler, meta: dict, device: torch.device):
         meta = self.complete(meta, transformer, vae)
@@ -113,6 +151,21 @@ class LatentFlowPolicy(FlowPolicy):
 
     def parameters(self):
         return list(self.unet.parameters())
+
+    def seq_len(self) -> int:
+        """Image tokens the transformer sees (patches of the latent), from which a scheduler with
+        `use_dynamic_shifting` computes its shift (FluxPipeline / StableDiffusion3Pipeline's
+        image_seq_len)."""
+        p = self.unet.config.patch_size
+        ph, pw = (p, p) if isinstance(p, int) else tuple(p)[-2:]
+        return (self.sample_shape[-2] // ph) * (self.sample_shape[-1] // pw)
+
+    def sigmas(self, steps: int, shift: float | None) -> torch.Tensor:
+        """flow.shift null: the grid the model's own scheduler gives its diffusers pipeline (see
+        own_sigmas), so that an export sampled with the plain pipeline is what regen sampled."""
+        if shift is not None:
+            return super().sigmas(steps, shift)
+        return own_sigmas(self.scheduler, steps, self.seq_len(), self.LINSPACE)
 
     def train(self, mode: bool = True) -> None:
         self.unet.train(mode)  # text encoders and VAE stay in eval mode: frozen

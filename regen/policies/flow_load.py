@@ -1,5 +1,5 @@
 """Which flow model a config names, and loading it: a built-in recipe (model.init), a regen flow
-folder (flow_policy.json), or a diffusers SD3 / Wan pipeline folder."""
+folder (flow_policy.json), or a diffusers SD3 / FLUX / Wan pipeline folder."""
 
 from __future__ import annotations
 
@@ -15,6 +15,6 @@ def load_flow_policy(model_cfg, seed: int, device: torch.device) -> FlowPolicy:
     from regen.policies.flow_latent import model_kind, policy_class  # noqa: F811
 
     # dispatch on flow_policy.json's kind (or model_index.json's pipeline class): the built-in
-    # UNet, SD3 or Wan
+    # UNet, SD3, FLUX or Wan
     cls = policy_class(model_kind(model_cfg.path) or "shapes")
     return cls.load(model_cfg.path, device, getattr(torch, model_cfg.dtype))

@@ -1,7 +1,7 @@
 """LoRA (Hu et al. 2022) on a flow model's velocity network, through peft.
 
 diffusers' UNet2DModel has no adapter API of its own, so the adapter is injected with
-`peft.inject_adapter_in_model`, which works on any torch module (UNets, SD3 and Wan
+`peft.inject_adapter_in_model`, which works on any torch module (UNets, SD3, FLUX and Wan
 transformers alike) and freezes everything but the LoRA matrices. Checkpoints then hold the
 adapter alone (`lora.safetensors` + `lora.json`); the export folder holds the merged weights,
 loadable without peft. The frozen reference of a KL term is the same network with its
@@ -21,22 +21,23 @@ from torch import nn
 
 from regen.errors import UserError
 
-# Attention projections (SD3 / Wan transformers, the UNet's mid-block attention) and the
+# Attention projections (SD3 / FLUX / Wan transformers, the UNet's mid-block attention) and the
 # UNet's resnet convolutions and time-embedding projections; peft matches name suffixes and
 # skips the ones a model lacks.
 DEFAULT_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "conv1", "conv2", "time_emb_proj"]
 ADAPTER_FILE, ADAPTER_META = "lora.safetensors", "lora.json"
 
 
-def add_lora(net: nn.Module, settings, seed: int) -> int:
-    """Inject a fresh adapter (r, alpha, dropout, target_modules from model.lora) into `net` in
-    place; returns its parameter count. The random A matrices come from `seed` on a forked RNG,
-    so the run's own random streams are untouched (B starts at 0: the model is unchanged)."""
+def add_lora(net: nn.Module, settings, seed: int, targets: list[str] | None = None) -> int:
+    """Inject a fresh adapter (r, alpha, dropout, target_modules from model.lora; else `targets`,
+    the model family's usual ones; else DEFAULT_TARGETS) into `net` in place; returns its
+    parameter count. The random A matrices come from `seed` on a forked RNG, so the run's own
+    random streams are untouched (B starts at 0: the model is unchanged)."""
     try:
         from peft import LoraConfig, inject_adapter_in_model
     except ImportError:
         raise UserError("model.lora needs peft: pip install 'regen[lora]'") from None
-    targets = settings.target_modules or DEFAULT_TARGETS
+    targets = settings.target_modules or targets or DEFAULT_TARGETS
     cfg = LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout, target_modules=targets)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
