@@ -30,8 +30,12 @@ the peak memory the loop reached can be read afterwards:
   median `sync/s` and `sync/mb`. Skipped with a line when vLLM or Ray is not installed.
 - `nft_flux`: DiffusionNFT on a randomly initialised FLUX.1-dev-style model (regen's `FluxFlowPolicy`:
   diffusers `FluxTransformer2DModel` at FLUX.1's real width, 24 heads of 128, guidance embedding 3.5, 2 double
-  + 4 single blocks: 1.25B of the real 11.9B, `--flux-depth 19,38` for all of it) on 512x512 images (16-channel
+  + 4 single blocks: 1.31B of the real 11.9B, `--flux-depth 19,38` for all of it) on 512x512 images (16-channel
   64x64 latents packed into 1024 tokens), 512 T5 tokens; the resolution-dependent shift of FLUX's scheduler.
+- `nft_qwen`: DiffusionNFT on a randomly initialised Qwen-Image-style model (regen's `QwenImageFlowPolicy`:
+  diffusers `QwenImageTransformer2DModel` at Qwen-Image's real width, 24 heads of 128, text width 3584, 4 of its
+  60 blocks: 1.40B of 20.4B, `--qwen-depth 60` for all of it) on 512x512 images (1024 packed tokens), a one-layer
+  random Qwen2.5-VL text encoder; its scheduler's shift and shift_terminal.
 - `nft`, `flow_grpo`: DiffusionNFT and Flow-GRPO on a randomly initialised SD3-style flow model
   (regen's `SD3FlowPolicy`: diffusers `SD3Transformer2DModel`, 16 joint blocks x width 1024, 16 heads
   of 64, 2x2 patches; 596M trained parameters, against SD3-medium's 24 x 1536, 2B) over 16-channel
@@ -61,7 +65,8 @@ Run from the repository root with the project's virtualenv:
 
     python bench/gpu_throughput.py --only lm_generate,lm,lm_colocate,lm_vllm,lm_vllm_ray --out /tmp/gpu_lm.json  # GPU: LM
     python bench/gpu_throughput.py --only flow --out /tmp/gpu_flow.json                   # GPU: the flow parts
-    python bench/gpu_throughput.py --only nft_flux --flow-batch 16 --out /tmp/gpu_flux.json  # GPU: FLUX-sized
+    python bench/gpu_throughput.py --only nft_flux,nft_qwen --flow-batch 16 --out /tmp/gpu_flux.json  # GPU: FLUX,
+                                                                          # Qwen-Image sized
     python bench/gpu_throughput.py --only lm --steps 20 --lm-batch 128    # one part, other sizes
     python bench/gpu_throughput.py --tiny --out /tmp/gt.json              # CPU smoke test, ~10 s on 2 cores
 """
@@ -93,6 +98,8 @@ import torch  # noqa: E402
 
 from regen.policies.flow_flux import TINY as TINY_FLUX  # noqa: E402
 from regen.policies.flow_flux import random_flux  # noqa: E402
+from regen.policies.flow_qwenimage import TINY as TINY_QWEN  # noqa: E402
+from regen.policies.flow_qwenimage import random_qwenimage  # noqa: E402
 from regen.policies.flow_sd3 import TINY as TINY_SD3  # noqa: E402
 from regen.policies.flow_sd3 import random_sd3  # noqa: E402
 
@@ -133,11 +140,17 @@ SD3_MEDIUM = dict(
 )
 # FLUX.1's transformer at its real width (black-forest-labs/FLUX.1-dev transformer/config.json: 24 heads of 128,
 # rotary axes (16, 56, 56), 64 packed channels, T5 width 4096, CLIP pooled 768, guidance embedding) cut from
-# 19 double + 38 single blocks (11.9B) to 2 + 4 (1.25B; --flux-depth 19,38 for the whole), 512x512 images
+# 19 double + 38 single blocks (11.9B) to 2 + 4 (1.31B; --flux-depth 19,38 for the whole), 512x512 images
 # (64x64 latents, 1024 packed tokens), small random text encoders (CLIP 77 tokens, T5 one layer, 512 tokens)
 FLUX_DEV = dict(size=512, vae=(32, 64, 128, 128), groups=8, latent=16, layers=2, single_layers=4, heads=24,
                 head_dim=128, rope=(16, 56, 56), clip=768, t5=4096, text_len=77, t5_len=512)
-PARTS = ("lm_generate", "lm", "lm_colocate", "lm_vllm", "lm_vllm_ray", "nft", "flow_grpo", "nft_flux")
+# Qwen-Image's transformer at its real width (Qwen/Qwen-Image transformer/config.json: 24 heads of 128, rotary axes
+# (16, 56, 56), 64 packed channels, text width 3584 = Qwen2.5-VL-7B's) cut from 60 blocks (20.4B) to 4 (1.40B;
+# --qwen-depth 60 for all of it), 512x512 images (VAE scale 8: 1024 packed tokens), a one-layer random Qwen2.5-VL
+# of width 3584 as the text encoder
+QWEN_IMAGE = dict(size=512, vae=(32, 1, 2, 4, 4), latent=16, layers=4, heads=24, head_dim=128, rope=(16, 56, 56),
+                  text_width=3584, text_layers=1)
+PARTS = ("lm_generate", "lm", "lm_colocate", "lm_vllm", "lm_vllm_ray", "nft", "flow_grpo", "nft_flux", "nft_qwen")
 # the language-model parts: the same GRPO run, alone, colocated (distributed.colocate: AdamW state parked in CPU
 # memory while sampling, each phase's peak logged), and colocated with an in-process vLLM engine put to sleep
 # for every update (skipped with a line where vLLM is not installed)
@@ -405,6 +418,7 @@ def main() -> None:
     )
     p.add_argument("--only", help="comma-separated subset of: " + ",".join(PARTS) + " ('flow' = nft,flow_grpo)")
     p.add_argument("--flux-depth", default="2,4", help="nft_flux: double,single blocks (default 2,4; FLUX.1: 19,38)")
+    p.add_argument("--qwen-depth", type=int, default=4, help="nft_qwen: transformer blocks (default 4; Qwen-Image: 60)")
     p.add_argument("--lm-batch", type=int, help="completions per LM step, 8 per prompt (default 64; 16 with --tiny)")
     p.add_argument("--max-new-tokens", type=int, help="rollout.max_new_tokens of the LM (default 128; 16 with --tiny)")
     p.add_argument("--flow-batch", type=int, help="images per flow step, 8 per prompt (default 32; 8 with --tiny)")
@@ -451,6 +465,7 @@ def main() -> None:
     except ValueError:
         p.error(f"--flux-depth {a.flux_depth!r}: two block counts, double,single (e.g. 19,38)")
     flux = TINY_FLUX if a.tiny else {**FLUX_DEV, "layers": double, "single_layers": single}
+    qwen = TINY_QWEN if a.tiny else {**QWEN_IMAGE, "layers": a.qwen_depth}
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as hf_logging
@@ -478,6 +493,7 @@ def main() -> None:
         "lm_shape": lm_shape,
         "flow_shape": sd3,
         "flux_shape": flux,
+        "qwen_image_shape": qwen,
     }
     print(" ".join(f"{k}={v}" for k, v in env.items()), flush=True)
     print(
@@ -581,10 +597,13 @@ def main() -> None:
         prompts = write_prompts(work / "prompts.jsonl")
         built: dict[str, tuple] = {}  # model folder -> (parameters, seconds to build, label)
         for algo in flow_parts:
-            name = "flux" if algo == "nft_flux" else "sd3"
+            name = {"nft_flux": "flux", "nft_qwen": "qwen-image"}.get(algo, "sd3")
             if name not in built:
                 t0 = time.perf_counter()
-                if name == "flux":
+                if name == "qwen-image":
+                    n = random_qwenimage(work / name, a.seed, **qwen)
+                    label = f"Qwen-Image-style {qwen['layers']}x{qwen['heads'] * qwen['head_dim']} {qwen['size']}px"
+                elif name == "flux":
                     n = random_flux(work / name, a.seed, True, **flux)
                     label = f"FLUX-dev-style {flux['layers']}+{flux['single_layers']}x{flux['heads'] * flux['head_dim']} " \
                             f"{flux['size']}px"
@@ -603,7 +622,7 @@ def main() -> None:
                 *common,
                 f"model.path={work / name}",
                 f"run.dir={run_dir}",
-                f"algorithm.name={algo.removesuffix('_flux')}",
+                f"algorithm.name={algo.split('_')[0] if algo.startswith('nft_') else algo}",
                 f"data.train={prompts}",
                 f"rollout.global_batch_size={flow_batch}",
                 "flow.steps=10",

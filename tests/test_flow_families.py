@@ -1,5 +1,6 @@
-"""The flow-model families users bring (SD3, Wan, FLUX.1-dev, FLUX.1-schnell), each tiny from its
-real diffusers classes: FLUX's packing, time shift and guidance as FluxPipeline has them, rollouts
+"""The flow-model families users bring (SD3, Wan, FLUX.1-dev, FLUX.1-schnell, Qwen-Image), each tiny
+from its real diffusers classes: FLUX's packing, time shift and guidance as FluxPipeline has them,
+Qwen-Image's prompt template, shift and renormalised guidance as QwenImagePipeline has them, rollouts
 re-scored exactly, exports that the plain pipeline samples into regen's image, every method with
 and without LoRA, torchrun and Ray equal to one process, a FLUX painter in a joint run; and the
 supported-models table of docs/images-and-videos.md held to these tests."""
@@ -27,6 +28,7 @@ CPU = torch.device("cpu")
 PROMPTS = ["a red circle at the left", "a blue square at the top"]
 TRANSFORMER = "transformer/diffusion_pytorch_model.safetensors"
 FROZEN = ("vae/diffusion_pytorch_model.safetensors", "text_encoder/model.safetensors")
+PAINTER_MAIN = ("flux-dev", "qwen-image")  # the joint runs of the main tier; the others' in the extended
 METHODS = ("flow_grpo", "flow_dppo", "nft", "awm", "dgpo")
 
 
@@ -61,7 +63,10 @@ def test_the_families_own_sigma_grids_by_hand(flow_family_dirs):
     dev = np.exp(mu) / (np.exp(mu) + 1 / s - 1)
     t = np.linspace(1.0, 3 * 0.001 / (1 + 2 * 0.001), 3)  # SD3-style: from sigma_max to the shifted sigma_min
     sd3 = 3 * t / (1 + 2 * t)
-    want = {"flux-dev": dev, "flux-schnell": s, "sd3": sd3, "wan": sd3}
+    mu = 0.5 + (0.9 - 0.5) * (16 - 256) / (8192 - 256)  # Qwen-Image: to 0.9 at 8192 tokens, then stretched so
+    qwen = np.exp(mu) / (np.exp(mu) + 1 / s - 1)  # that the last sigma before 0 is shift_terminal = 0.02
+    qwen = 1 - (1 - qwen) / ((1 - qwen[-1]) / (1 - 0.02))
+    want = {"flux-dev": dev, "flux-schnell": s, "sd3": sd3, "wan": sd3, "qwen-image": qwen}
     for fam, grid in want.items():
         got = policy(flow_family_dirs[fam]).sigmas(3, None)
         assert got.tolist() == pytest.approx([*grid, 0.0], abs=1e-6), fam
@@ -95,6 +100,35 @@ def test_flux_ode_sampler_is_flux_pipeline_with_its_guidance(family, flow_family
         torch.testing.assert_close(other, theirs(1.5), rtol=1e-5, atol=1e-5)
 
 
+def test_qwenimage_sampler_is_the_pipeline_with_its_template_and_renormalised_guidance(flow_family_dirs):
+    """The prompt's tokens are what remains of the template after the pipeline's 34; regen's
+    sampler ends on QwenImagePipeline's latents without and with its true CFG, whose per-token
+    renormalisation matters (plain CFG gives other latents)."""
+    from diffusers import QwenImagePipeline
+
+    from regen.policies.flow import FlowPolicy
+    from regen.policies.flow_qwenimage import DROP, TEMPLATE
+
+    folder = flow_family_dirs["qwen-image"]
+    p, pipe = policy(folder), QwenImagePipeline.from_pretrained(folder)
+    ids = p.encoder.tokenizer(TEMPLATE.format("a red circle")).input_ids
+    assert p.encoder.tokenizer.convert_ids_to_tokens(ids[DROP:DROP + 3]) == ["a", "red", "circle"]
+
+    def theirs(cfg):
+        kw = {"negative_prompt": ["", ""]} if cfg > 1 else {}
+        out = pipe(PROMPTS, num_inference_steps=3, height=16, width=16, generator=torch.Generator().manual_seed(5),
+                   output_type="latent", true_cfg_scale=cfg, **kw).images
+        return QwenImagePipeline._unpack_latents(out, 16, 16, 2)[:, :, 0]
+
+    for cfg in (1.0, 2.5):
+        ours = p.sample_ode(PROMPTS, 1, torch.Generator().manual_seed(5), steps=3, shift=None, guidance=cfg).x0
+        torch.testing.assert_close(ours, theirs(cfg), rtol=1e-5, atol=1e-5)
+    x, s = torch.randn(2, *p.sample_shape, generator=torch.Generator().manual_seed(0)), torch.tensor([0.3, 0.7])
+    with torch.no_grad():
+        c, u = p.encoder(PROMPTS), p.encoder(["", ""])
+        assert (FlowPolicy.guided_velocity(p, x, s, c, u, 2.5) - p.guided_velocity(x, s, c, u, 2.5)).abs().max() > 1e-4
+
+
 # ---------------------------------------------------------------- every family
 
 
@@ -116,10 +150,14 @@ def pipeline_pixels(family, folder, seed):
     from diffusers import DiffusionPipeline
 
     pipe = DiffusionPipeline.from_pretrained(str(folder))
-    assert type(pipe).__name__ == {"sd3": "StableDiffusion3Pipeline", "wan": "WanPipeline"}.get(family, "FluxPipeline")
+    assert type(pipe).__name__ == {"sd3": "StableDiffusion3Pipeline", "wan": "WanPipeline",
+                                   "qwen-image": "QwenImagePipeline"}.get(family, "FluxPipeline")
     meta = json.loads((Path(folder) / "flow_policy.json").read_text())
-    kw = {"guidance_scale": meta.get("guidance_embed") or 1.0, "height": 16, "width": 16, "max_sequence_length": 8,
-          "num_inference_steps": 3, "generator": torch.Generator().manual_seed(seed), "output_type": "pt"}
+    kw = {"guidance_scale": meta.get("guidance_embed") or 1.0, "height": 16, "width": 16, "num_inference_steps": 3,
+          "max_sequence_length": meta["max_sequence_length"], "generator": torch.Generator().manual_seed(seed),
+          "output_type": "pt"}
+    if family == "qwen-image":  # CFG is its true_cfg_scale (default 4 with a negative prompt); no embedding
+        kw.update(true_cfg_scale=1.0, guidance_scale=None)
     if family == "wan":
         return pipe(PROMPTS, num_frames=9, **kw).frames  # (B, F, 3, H, W)
     return pipe(PROMPTS, **kw).images
@@ -173,14 +211,15 @@ JOBS = {**{m: {m: METHOD[m]} for m in METHODS},
 # and painter are defined below)
 ELSEWHERE = {"ratio 1": test_rollouts_are_rescored_to_the_samplers_logprobs,
              "export": test_export_sampled_by_the_plain_pipeline_is_regens_image}
-REFUSED = {"qwen-image": "Qwen-Image pipeline (QwenImagePipeline)", "hunyuan-video": "HunyuanVideo pipeline"}
-NOT_BUILT = {"qwen-image": "QwenImagePipeline", "hunyuan-video": "HunyuanVideoPipeline"}
+REFUSED = {"hunyuan-video": "HunyuanVideo pipeline (HunyuanVideoPipeline)"}
+NOT_BUILT = {"hunyuan-video": "HunyuanVideoPipeline"}
 
 
 def families_of(test) -> set[str]:
-    """The families a test function is parametrized over (its `family` parameter)."""
-    marks = [m for m in getattr(test, "pytestmark", []) if m.name == "parametrize" and m.args[0] == "family"]
-    return {v.values[0] if hasattr(v, "values") else v for v in marks[0].args[1]} if marks else set()
+    """The families a test function is parametrized over (its first parameter, `family`)."""
+    marks = [m for m in getattr(test, "pytestmark", []) if m.name == "parametrize" and m.args[0].startswith("family")]
+    values = [v.values if hasattr(v, "values") else v for v in marks[0].args[1]] if marks else []
+    return {v[0] if isinstance(v, tuple) else v for v in values}
 
 
 def job_cells():
@@ -251,14 +290,29 @@ def assert_same_training(a_dir, b_dir, base):
     assert moved > 1e-4 and diff < 1e-3 * moved, (float(diff), float(moved))
 
 
+def test_fsdp_units_are_every_list_of_blocks(flow_family_dirs):
+    """FSDP2 shards each block of every block list at the shallowest depth: FLUX's double- and
+    single-stream blocks, Qwen-Image's blocks, a UNet's down and up blocks (not the first list only)."""
+    from regen.policies.flow import FlowPolicy
+    from regen.runtime.dist import _blocks
+
+    flux, qwen = policy(flow_family_dirs["flux-dev"]).unet, policy(flow_family_dirs["qwen-image"]).unet
+    assert [type(b).__name__ for b in _blocks(flux)] == ["FluxTransformerBlock", "FluxSingleTransformerBlock"]
+    assert [type(b).__name__ for b in _blocks(qwen)] == ["QwenImageTransformerBlock"]
+    unet = FlowPolicy.builtin(False, 0, CPU).unet
+    assert _blocks(unet) == [*unet.down_blocks, *unet.up_blocks]
+
+
 @pytest.mark.extended  # multi-process: the CI's second tier
-@pytest.mark.parametrize("family", FLOW_FAMILIES)
-def test_torchrun_two_ranks_train_what_one_process_trains(family, flow_family_dirs, flow_prompts, tmp_path):
+@pytest.mark.parametrize("family,strategy", [*[(f, "ddp") for f in FLOW_FAMILIES], ("flux-dev", "fsdp"),
+                                             ("qwen-image", "fsdp")])
+def test_torchrun_two_ranks_train_what_one_process_trains(family, strategy, flow_family_dirs, flow_prompts, tmp_path):
     base, setup = flow_family_dirs[family], dist_setup(flow_prompts)
     one, two = tmp_path / "one", tmp_path / "two"
     assert main(["train", f"model.path={base}", f"run.dir={one}", *setup, "distributed.mode=single"]) == 0
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "regen",
-           "train", f"model.path={base}", f"run.dir={two}", *setup, "distributed.mode=torchrun"]
+           "train", f"model.path={base}", f"run.dir={two}", *setup, "distributed.mode=torchrun",
+           f"distributed.strategy={strategy}"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-3000:]
@@ -280,7 +334,7 @@ def test_ray_rollout_actors_sample_what_one_process_does(family, flow_family_dir
     assert_same_training(spread, one, base)
 
 
-@pytest.mark.parametrize("family", [pytest.param(f, marks=[] if f == "flux-dev" else [pytest.mark.extended])
+@pytest.mark.parametrize("family", [pytest.param(f, marks=[] if f in PAINTER_MAIN else [pytest.mark.extended])
                                     for f in FLOW_FAMILIES])
 def test_a_joint_run_trains_the_family_as_the_painter(family, enhancer_base, flow_family_dirs, tmp_path):
     """An enhancer language model rewrites the prompts the painter draws; 2 steps move both."""

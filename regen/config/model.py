@@ -51,8 +51,9 @@ class ModelConfig(Section):
 # What kind of model a config names (which modality trains it), read from the folder without loading it.
 FLOW_RECIPES = {"shapes-unet": False, "moving-shapes-unet": True}  # model.init of a flow model -> video?
 # model_index.json _class_name -> kind
-PIPELINES = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux", "WanPipeline": "wan"}
-NOT_YET = {"QwenImagePipeline": "Qwen-Image", "HunyuanVideoPipeline": "HunyuanVideo"}  # refused by the family's name
+PIPELINES = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux", "QwenImagePipeline": "qwen-image",
+             "WanPipeline": "wan"}
+NOT_YET = {"HunyuanVideoPipeline": "HunyuanVideo"}  # refused by the family's name
 
 
 def read_json(path: Path) -> dict:

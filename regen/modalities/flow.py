@@ -89,7 +89,7 @@ class FlowModality(Modality):
         if cfg.train.gradient_checkpointing:
             self.policy.unet.enable_gradient_checkpointing()  # diffusers: recompute in backward
         if dist.on:  # the update's forwards go through DDP's wrapper; FSDP2 shards in place
-            wrapped = dist.wrap(self.policy.unet)
+            wrapped = dist.wrap(self.policy.unet, unused=getattr(self.policy, "UNUSED_PARAMETERS", False))
             self.policy.ddp_unet = wrapped if wrapped is not self.policy.unet else None
             if dist.sharded:  # frozen copies sharded alike, so the EMAs update shard by shard
                 for net in (self.ref, self.ema, self.weight_ema):

@@ -26,17 +26,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from regen.errors import UserError
-from regen.policies.flow_latent import (
+from regen.policies.flow_latent import (  # noqa: F401  (pack, unpack: re-exported)
     LatentFlowPolicy,
     check_size,
     load_text_model,
     load_tokenizer,
+    pack,
     tiny_clip_tokenizer,
     tiny_t5_tokenizer,
+    unpack,
 )
-
-DEFAULT_GUIDANCE = 3.5  # FluxPipeline's guidance_scale default, the value FLUX.1-dev is sampled with
 
 
 class FluxTextEncoder(nn.Module):
@@ -60,18 +59,6 @@ class FluxTextEncoder(nn.Module):
         return states, pooled.to(states.dtype)
 
 
-def pack(x: torch.Tensor) -> torch.Tensor:
-    """(B, C, h, w) -> (B, h/2 * w/2, 4C): FluxPipeline._pack_latents (2x2 patches, channel-major)."""
-    B, C, h, w = x.shape
-    return x.view(B, C, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(B, (h // 2) * (w // 2), C * 4)
-
-
-def unpack(x: torch.Tensor, h: int, w: int) -> torch.Tensor:
-    """(B, h/2 * w/2, 4C) -> (B, C, h, w): the inverse of `pack` (FluxPipeline._unpack_latents)."""
-    B, _, c4 = x.shape
-    return x.view(B, h // 2, w // 2, c4 // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(B, c4 // 4, h, w)
-
-
 def image_ids(h: int, w: int, device, dtype) -> torch.Tensor:
     """(h/2 * w/2, 3) rotary positions of the packed tokens: (0, row, col), FluxPipeline's
     `_prepare_latent_image_ids`."""
@@ -91,10 +78,6 @@ class FluxFlowPolicy(LatentFlowPolicy):
     LINSPACE = True  # FluxPipeline: sigmas = linspace(1, 1/n, n), shifted by its scheduler
     LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
 
-    def __init__(self, transformer, encoder, vae, scheduler, meta: dict, device: torch.device):
-        super().__init__(transformer, encoder, vae, scheduler, meta, device)
-        self.guidance_embed = self.meta.get("guidance_embed")
-
     @classmethod
     def complete(cls, meta: dict, transformer, vae, folder="") -> dict:
         """Pixel size (default FluxPipeline's: 128 x the VAE scale), T5 length (default 512),
@@ -104,13 +87,9 @@ class FluxFlowPolicy(LatentFlowPolicy):
         h, w = int(meta.get("height", 128 * scale)), int(meta.get("width", 128 * scale))
         for what, v in (("height", h), ("width", w)):
             check_size(what, v, scale * 2, folder)  # 2x2 packing of the latents
-        has = bool(transformer.config.guidance_embeds)
-        g = meta.get("guidance_embed", DEFAULT_GUIDANCE if has else None)
-        if (g is not None) != has:
-            raise UserError(f"model.path: '{folder}' flow_policy.json guidance_embed={g}, but its transformer "
-                            f"{'has' if has else 'has no'} guidance embedding")
         return {**meta, "kind": cls.KIND, "height": h, "width": w,
-                "max_sequence_length": int(meta.get("max_sequence_length", 512)), "guidance_embed": g,
+                "max_sequence_length": int(meta.get("max_sequence_length", 512)),
+                "guidance_embed": cls.guidance_meta(meta, transformer, folder),
                 "sample_shape": [transformer.config.in_channels // 4, h // scale, w // scale]}
 
     @classmethod
@@ -120,12 +99,6 @@ class FluxFlowPolicy(LatentFlowPolicy):
             load_text_model(folder / "text_encoder_2", "T5EncoderModel", dtype), load_tokenizer(folder / "tokenizer_2"),
             meta["max_sequence_length"],
         )
-
-    def set_guidance_embed(self, value: float | None) -> None:
-        """flow.guidance_embed: the value given to a dev-style transformer's guidance embedding
-        (kept in flow_policy.json, so an export samples as it was trained)."""
-        if value is not None:
-            self.guidance_embed = self.meta["guidance_embed"] = float(value)
 
     def seq_len(self) -> int:
         _, h, w = self.sample_shape
@@ -143,11 +116,10 @@ class FluxFlowPolicy(LatentFlowPolicy):
         dt = self._dtype()
         states, pooled = cond
         B, _, h, w = x.shape
-        g = None if self.guidance_embed is None else torch.full((B,), self.guidance_embed, device=x.device)
         out = self._net(unet)(
             hidden_states=pack(x.to(dt)),
             timestep=sigma.to(dt),  # FLUX scales by 1000 itself (the pipeline passes t / 1000)
-            guidance=g,
+            guidance=self.guidance(B, x.device),
             pooled_projections=pooled.to(dt),
             encoder_hidden_states=states.to(dt),
             txt_ids=torch.zeros(states.shape[1], 3, device=x.device, dtype=dt),

@@ -28,12 +28,31 @@ from regen.config.model import read_json as _json
 from regen.errors import UserError
 from regen.policies.flow import FlowPolicy
 
+DEFAULT_GUIDANCE = 3.5  # FluxPipeline's guidance_scale default, the value FLUX.1-dev is sampled with
+
+
+def pack(x: torch.Tensor) -> torch.Tensor:
+    """(B, C, h, w) -> (B, h/2 * w/2, 4C): 2x2 latent patches as tokens, channel-major within a
+    token (FluxPipeline / QwenImagePipeline `_pack_latents`)."""
+    B, C, h, w = x.shape
+    return x.view(B, C, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(B, (h // 2) * (w // 2), C * 4)
+
+
+def unpack(x: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """(B, h/2 * w/2, 4C) -> (B, C, h, w): the inverse of `pack` (the pipelines' `_unpack_latents`)."""
+    B, _, c4 = x.shape
+    return x.view(B, h // 2, w // 2, c4 // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(B, c4 // 4, h, w)
+
 
 def policy_class(kind: str) -> type[FlowPolicy]:
     if kind == "flux":
         from regen.policies.flow_flux import FluxFlowPolicy
 
         return FluxFlowPolicy
+    if kind == "qwen-image":
+        from regen.policies.flow_qwenimage import QwenImageFlowPolicy
+
+        return QwenImageFlowPolicy
     if kind == "sd3":
         from regen.policies.flow_sd3 import SD3FlowPolicy
 
@@ -119,8 +138,34 @@ class LatentFlowPolicy(FlowPolicy):
         encoder.requires_grad_(False).eval()
         super().__init__(transformer, encoder, tuple(meta["sample_shape"]), device, self.KIND)
         self.vae = vae.to(device).eval().requires_grad_(False)
-        self.scheduler = scheduler  # carried to the saved folder only: regen samples with flow.shift
+        self.scheduler = scheduler  # regen samples with its own samplers on the grid it gives (sigmas)
         self.meta = meta
+        self.guidance_embed = meta.get("guidance_embed")  # guidance-distilled transformers only (FLUX.1-dev)
+
+    # ---------------------------------------------------------------- guidance-distilled models
+
+    @staticmethod
+    def guidance_meta(meta: dict, transformer, folder) -> float | None:
+        """The embedded guidance value of a transformer with `guidance_embeds` (flow_policy.json's,
+        else DEFAULT_GUIDANCE); None for the others."""
+        has = bool(getattr(transformer.config, "guidance_embeds", False))
+        g = meta.get("guidance_embed", DEFAULT_GUIDANCE if has else None)
+        if (g is not None) != has:
+            raise UserError(f"model.path: '{folder}' flow_policy.json guidance_embed={g}, but its transformer "
+                            f"{'has' if has else 'has no'} guidance embedding")
+        return g
+
+    def set_guidance_embed(self, value: float | None) -> None:
+        """flow.guidance_embed: the value given to the transformer's guidance embedding (kept in
+        flow_policy.json, so an export samples as it was trained)."""
+        if value is not None and self.guidance_embed is None:
+            super().set_guidance_embed(value)  # refused: no embedding
+        if value is not None:
+            self.guidance_embed = self.meta["guidance_embed"] = float(value)
+
+    def guidance(self, batch: int, device) -> torch.Tensor | None:
+        """The transformer's `guidance` input: (B,) float32 (it scales by 1000 itself), or None."""
+        return None if self.guidance_embed is None else torch.full((batch,), self.guidance_embed, device=device)
 
     @classmethod
     def load(cls, folder, device: torch.device, dtype: torch.dtype = torch.float32) -> LatentFlowPolicy:

@@ -135,9 +135,11 @@ class Dist:
 
     # -------------------------------------------------------------- models
 
-    def wrap(self, model: torch.nn.Module, trainable: bool = True) -> torch.nn.Module:
+    def wrap(self, model: torch.nn.Module, trainable: bool = True, unused: bool = False) -> torch.nn.Module:
         """The module the update runs through: DDP around `model`, or `model` itself sharded in
-        place by FSDP2 (its transformer blocks first, then the root, as torch recommends)."""
+        place by FSDP2 (its transformer blocks first, then the root, as torch recommends).
+        unused: some parameters never reach the loss (Qwen-Image's last block's text stream), so
+        DDP must look for them after each forward instead of waiting for their gradients."""
         if not self.on:
             return model
         if self.strategy == "ddp":
@@ -153,7 +155,7 @@ class Dist:
             sync = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(
                 DistributedDataParallel.__init__).parameters else "broadcast_buffers"
             return DistributedDataParallel(model, device_ids=[torch.cuda.current_device()] if dev.type == "cuda"
-                                           else None, **{sync: False})
+                                           else None, find_unused_parameters=unused, **{sync: False})
         from torch.distributed.fsdp import fully_shard
 
         for block in _blocks(model):
@@ -218,10 +220,18 @@ class Dist:
 
 
 def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated layers of a transformers model (the first ModuleList found), FSDP2's units."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) > 1:
-            return list(module)
+    """FSDP2's units: the repeated blocks of a model, i.e. the elements of every ModuleList of
+    blocks (each element holding parameters) at the shallowest depth where there is one: a
+    transformers LM's layers, a UNet's down and up blocks, FLUX's double- and single-stream
+    blocks alike (were FLUX's 38 single blocks left to the root unit, its forward would gather
+    them all at once)."""
+    level = [model]
+    while level:
+        lists = [m for m in level if isinstance(m, torch.nn.ModuleList) and len(m)
+                 and all(any(True for _ in b.parameters()) for b in m)]
+        if lists:
+            return [b for lst in lists for b in lst]
+        level = [c for m in level for c in m.children()]
     return []
 
 

@@ -26,10 +26,11 @@ CHAT_TEMPLATE = (
 PATCH, MERGE = 4, 2  # 4x4-pixel patches merged 2x2: a 16x16 image is 16 patches, 4 language tokens
 
 
-def word_tokenizer(words: list[str], specials: list[str], eos: str, named: dict, template: str):
+def word_tokenizer(words: list[str], specials: list[str], eos: str, named: dict, template: str, apart: str = ""):
     """specials + words (+ chat roles and a newline) as a word-level fast tokenizer: words apart at
-    spaces, each special token and a newline a token of its own. specials[0] pads; `named`: the
-    family's named special tokens (image_token, ...); `template`: its chat template."""
+    spaces, each special token and a newline a token of its own (and each character of `apart`,
+    e.g. punctuation). specials[0] pads; `named`: the family's named special tokens (image_token,
+    ...); `template`: its chat template."""
     import re
 
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -38,7 +39,8 @@ def word_tokenizer(words: list[str], specials: list[str], eos: str, named: dict,
     extra = [w for w in ("system", "user", "assistant", "model", "User:", "Assistant:", "\n") if w not in words]
     vocab = {t: i for i, t in enumerate(specials + list(words) + extra)}
     tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    isolated = "|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)) + "|\n"
+    isolated = "|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)) + "|\n" + \
+        "".join("|" + re.escape(c) for c in apart)
     tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r"[ \t]+"), behavior="removed"),
                                                 pre_tokenizers.Split(Regex(isolated), behavior="isolated")])
     tk.decoder = decoders.WordPiece()  # joins words with single spaces
@@ -49,10 +51,10 @@ def word_tokenizer(words: list[str], specials: list[str], eos: str, named: dict,
     return tok
 
 
-def qwen_tokenizer(words: list[str]):
+def qwen_tokenizer(words: list[str], apart: str = ""):
     """The Qwen-VL families' tokens and chat layout; <|im_end|> ends a turn (an instruct checkpoint's EOS)."""
     return word_tokenizer(words, SPECIALS, "<|im_end|>", {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"},
-                          CHAT_TEMPLATE)
+                          CHAT_TEMPLATE, apart)
 
 
 def image_processor(res: int = 16):
@@ -64,14 +66,15 @@ def image_processor(res: int = 16):
                                     image_mean=[0.5] * 3, image_std=[0.5] * 3)
 
 
-def build(family: str, words: list[str], seed: int, hidden: int = 64, layers: int = 2):
-    """(model, tokenizer, image processor) of a tiny Qwen-VL `family` model from random init (torch.manual_seed(seed))."""
+def build(family: str, words: list[str], seed: int, hidden: int = 64, layers: int = 2, apart: str = ""):
+    """(model, tokenizer, image processor) of a tiny Qwen-VL `family` model from random init (torch.manual_seed(seed));
+    apart: characters the tokenizer keeps as tokens of their own."""
     import torch
     import transformers as tf
 
     if family not in QWEN:
         raise ValueError(f"unknown family '{family}' (one of {', '.join(QWEN)})")
-    tok = qwen_tokenizer(words)
+    tok = qwen_tokenizer(words, apart)
     ids = {k: tok.convert_tokens_to_ids(t) for k, t in (("image_token_id", "<|image_pad|>"),
            ("video_token_id", "<|video_pad|>"), ("vision_start_token_id", "<|vision_start|>"),
            ("vision_end_token_id", "<|vision_end|>"))}
