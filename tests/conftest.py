@@ -120,18 +120,19 @@ def family_dirs(tmp_path_factory) -> dict:
 
 # The flow-model families of docs/images-and-videos.md#supported-models, each built tiny from its real
 # diffusers classes
-FLOW_FAMILIES = ("sd3", "wan", "flux-dev", "flux-schnell", "qwen-image")
+FLOW_FAMILIES = ("sd3", "wan", "flux-dev", "flux-schnell", "qwen-image", "hunyuan-video")
 
 
 def tiny_flow(family: str, folder) -> Path:
     from regen.policies.flow_flux import tiny_flux
+    from regen.policies.flow_hunyuan import tiny_hunyuan
     from regen.policies.flow_qwenimage import tiny_qwenimage
     from regen.policies.flow_sd3 import tiny_sd3
     from regen.policies.flow_wan import tiny_wan
 
     if family.startswith("flux"):
         return tiny_flux(folder, dev=family == "flux-dev")
-    return {"sd3": tiny_sd3, "wan": tiny_wan, "qwen-image": tiny_qwenimage}[family](folder)
+    return {"sd3": tiny_sd3, "wan": tiny_wan, "qwen-image": tiny_qwenimage, "hunyuan-video": tiny_hunyuan}[family](folder)
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
-"""The flow-model families users bring (SD3, Wan, FLUX.1-dev, FLUX.1-schnell, Qwen-Image), each tiny
-from its real diffusers classes: FLUX's packing, time shift and guidance as FluxPipeline has them,
-Qwen-Image's prompt template, shift and renormalised guidance as QwenImagePipeline has them, rollouts
+"""The flow-model families users bring (SD3, Wan, FLUX.1-dev, FLUX.1-schnell, Qwen-Image,
+HunyuanVideo), each tiny from its real diffusers classes: FLUX's packing, time shift and guidance as
+FluxPipeline has them, Qwen-Image's prompt template, shift and renormalised guidance as
+QwenImagePipeline has them, HunyuanVideo's template crop and embedded guidance, rollouts
 re-scored exactly, exports that the plain pipeline samples into regen's image, every method with
 and without LoRA, torchrun and Ray equal to one process, a FLUX painter in a joint run; and the
 supported-models table of docs/images-and-videos.md held to these tests."""
@@ -66,7 +67,8 @@ def test_the_families_own_sigma_grids_by_hand(flow_family_dirs):
     mu = 0.5 + (0.9 - 0.5) * (16 - 256) / (8192 - 256)  # Qwen-Image: to 0.9 at 8192 tokens, then stretched so
     qwen = np.exp(mu) / (np.exp(mu) + 1 / s - 1)  # that the last sigma before 0 is shift_terminal = 0.02
     qwen = 1 - (1 - qwen) / ((1 - qwen[-1]) / (1 - 0.02))
-    want = {"flux-dev": dev, "flux-schnell": s, "sd3": sd3, "wan": sd3, "qwen-image": qwen}
+    want = {"flux-dev": dev, "flux-schnell": s, "sd3": sd3, "wan": sd3, "qwen-image": qwen,
+            "hunyuan-video": 7 * s / (1 + 6 * s)}  # HunyuanVideo: linspace(1, 0, n + 1)[:-1], its shift 7
     for fam, grid in want.items():
         got = policy(flow_family_dirs[fam]).sigmas(3, None)
         assert got.tolist() == pytest.approx([*grid, 0.0], abs=1e-6), fam
@@ -129,6 +131,35 @@ def test_qwenimage_sampler_is_the_pipeline_with_its_template_and_renormalised_gu
         assert (FlowPolicy.guided_velocity(p, x, s, c, u, 2.5) - p.guided_velocity(x, s, c, u, 2.5)).abs().max() > 1e-4
 
 
+def test_hunyuan_video_sampler_is_the_pipeline_with_its_template_crop_and_embedded_guidance(flow_family_dirs):
+    """The template's 95 tokens are cropped, the prompt's remain; regen's sampler ends on
+    HunyuanVideoPipeline's latents with its embedded guidance 6 (another value: other latents)
+    and with true CFG on top."""
+    from diffusers import HunyuanVideoPipeline
+
+    from regen.policies.flow_hunyuan import CROP, TEMPLATE
+
+    folder = flow_family_dirs["hunyuan-video"]
+    p, pipe = policy(folder), HunyuanVideoPipeline.from_pretrained(folder)
+    ids = p.encoder.tokenizer(TEMPLATE.format("a red circle")).input_ids
+    assert p.encoder.tokenizer.convert_ids_to_tokens(ids[CROP:CROP + 3]) == ["a", "red", "circle"]
+    assert p.guidance_embed == 6.0
+
+    def theirs(guidance=6.0, cfg=1.0):
+        kw = {"negative_prompt": ["", ""], "true_cfg_scale": cfg} if cfg > 1 else {}
+        return pipe(PROMPTS, num_inference_steps=3, height=16, width=16, num_frames=9, max_sequence_length=16,
+                    generator=torch.Generator().manual_seed(5), output_type="latent", guidance_scale=guidance,
+                    **kw).frames
+
+    for cfg in (1.0, 2.5):
+        ours = p.sample_ode(PROMPTS, 1, torch.Generator().manual_seed(5), steps=3, shift=None, guidance=cfg).x0
+        torch.testing.assert_close(ours, theirs(cfg=cfg), rtol=1e-5, atol=1e-5)
+    p.set_guidance_embed(2.0)
+    other = p.sample_ode(PROMPTS, 1, torch.Generator().manual_seed(5), steps=3, shift=None).x0
+    assert (other - theirs()).abs().max() > 1e-4
+    torch.testing.assert_close(other, theirs(2.0), rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------- every family
 
 
@@ -150,15 +181,15 @@ def pipeline_pixels(family, folder, seed):
     from diffusers import DiffusionPipeline
 
     pipe = DiffusionPipeline.from_pretrained(str(folder))
-    assert type(pipe).__name__ == {"sd3": "StableDiffusion3Pipeline", "wan": "WanPipeline",
-                                   "qwen-image": "QwenImagePipeline"}.get(family, "FluxPipeline")
+    assert type(pipe).__name__ == {"sd3": "StableDiffusion3Pipeline", "wan": "WanPipeline", "qwen-image":
+                                   "QwenImagePipeline", "hunyuan-video": "HunyuanVideoPipeline"}.get(family, "FluxPipeline")
     meta = json.loads((Path(folder) / "flow_policy.json").read_text())
     kw = {"guidance_scale": meta.get("guidance_embed") or 1.0, "height": 16, "width": 16, "num_inference_steps": 3,
           "max_sequence_length": meta["max_sequence_length"], "generator": torch.Generator().manual_seed(seed),
           "output_type": "pt"}
     if family == "qwen-image":  # CFG is its true_cfg_scale (default 4 with a negative prompt); no embedding
         kw.update(true_cfg_scale=1.0, guidance_scale=None)
-    if family == "wan":
+    if family in ("wan", "hunyuan-video"):
         return pipe(PROMPTS, num_frames=9, **kw).frames  # (B, F, 3, H, W)
     return pipe(PROMPTS, **kw).images
 
@@ -211,8 +242,8 @@ JOBS = {**{m: {m: METHOD[m]} for m in METHODS},
 # and painter are defined below)
 ELSEWHERE = {"ratio 1": test_rollouts_are_rescored_to_the_samplers_logprobs,
              "export": test_export_sampled_by_the_plain_pipeline_is_regens_image}
-REFUSED = {"hunyuan-video": "HunyuanVideo pipeline (HunyuanVideoPipeline)"}
-NOT_BUILT = {"hunyuan-video": "HunyuanVideoPipeline"}
+REFUSED = {"ltx-video": "LTX-Video pipeline (LTXPipeline)", "cogvideox": "CogVideoX pipeline (CogVideoXPipeline)"}
+NOT_BUILT = {"ltx-video": "LTXPipeline", "cogvideox": "CogVideoXPipeline"}
 
 
 def families_of(test) -> set[str]:

@@ -20,8 +20,8 @@ MEDIA_QUALITY = (  # what the image / video metrics compare with
 register_modality(Modality("flow", "flow-matching models", "regen.modalities.flow:FlowModality", reads=(
     *always("flow.steps", "flow.eval_steps", "flow.shift", "flow.guidance", "flow.weight_ema", "flow.adv_clip",
             "algorithm.std_normalize", "train.gradient_checkpointing", "flow.sampler"),
-    *when("with a guidance-distilled model (FLUX.1-dev: its transformer embeds the guidance; the others' "
-          "guidance is flow.guidance)", lambda c: c.model is not None and has_guidance_embed(c.model),
+    *when("with a guidance-distilled model (FLUX.1-dev, HunyuanVideo: their transformers embed the guidance; the "
+          "others' guidance is flow.guidance)", lambda c: c.model is not None and has_guidance_embed(c.model),
           "flow.guidance_embed"),
     *MEDIA_QUALITY)))
 

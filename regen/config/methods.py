@@ -40,8 +40,9 @@ class FlowConfig(Section):
     eval_steps: int = Field(20, ge=1, description="Euler ODE steps when sampling for evaluation.")
     shift: float | None = Field(
         None, gt=0.0, description="Time shift of the sigma grid, sigma' = shift sigma / (1 + (shift - 1) sigma) "
-        "(SD3; 1 = linear). null = the model's own: a diffusers folder's scheduler (SD3, Wan: its shift; FLUX-dev: "
-        "the resolution-dependent shift for this image size), 1 for the built-in models.")
+        "(SD3; 1 = linear). null = the model's own: a diffusers folder's scheduler as its pipeline uses it (SD3, "
+        "Wan, HunyuanVideo: its shift; FLUX.1-dev, Qwen-Image: the resolution-dependent shift for this image "
+        "size), 1 for the built-in models.")
     sampler: Literal["ode", "sde", "cps"] | None = Field(
         None, description="How training rollouts sample: 'ode' (deterministic; nft, awm, dgpo) or, for flow_grpo / "
         "flow_dppo, the stochastic step: Flow-GRPO's 'sde' or coefficients-preserving 'cps'. null = sde for "
@@ -64,10 +65,10 @@ class FlowConfig(Section):
     window_shift_every: int = Field(25, ge=1, description="moving: training steps per one-step slide.")
     guidance: float = Field(1.0, gt=0.0, description="Classifier-free guidance scale when sampling (1 = off).")
     guidance_embed: float | None = Field(
-        None, gt=0.0, description="Guidance-distilled models (FLUX.1-dev: a guidance embedding instead of CFG): the "
-        "guidance value the transformer is given, in training and evaluation, kept in the export's "
-        "flow_policy.json. null = the folder's value, else 3.5 (FluxPipeline's default). Refused for models "
-        "without a guidance embedding.")
+        None, gt=0.0, description="Guidance-distilled models (FLUX.1-dev, HunyuanVideo: a guidance embedding instead "
+        "of CFG): the guidance value the transformer is given, in training and evaluation, kept in the export's "
+        "flow_policy.json. null = the folder's value, else its pipeline's default (FLUX.1-dev 3.5, HunyuanVideo "
+        "6.0). Refused for models without a guidance embedding.")
     adv_clip: float = Field(5.0, gt=0.0, description="Flow methods: advantages clipped to +-adv_clip (and NFT's C).")
     dppo_tau: float = Field(1e-5, gt=0.0, description="flow_dppo: KL threshold of the trust region.")
     nft_beta: float = Field(1.0, gt=0.0, description="DiffusionNFT beta (implicit positive/negative policies).")

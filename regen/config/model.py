@@ -52,8 +52,8 @@ class ModelConfig(Section):
 FLOW_RECIPES = {"shapes-unet": False, "moving-shapes-unet": True}  # model.init of a flow model -> video?
 # model_index.json _class_name -> kind
 PIPELINES = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux", "QwenImagePipeline": "qwen-image",
-             "WanPipeline": "wan"}
-NOT_YET = {"HunyuanVideoPipeline": "HunyuanVideo"}  # refused by the family's name
+             "WanPipeline": "wan", "HunyuanVideoPipeline": "hunyuan-video"}
+NOT_YET = {"LTXPipeline": "LTX-Video", "CogVideoXPipeline": "CogVideoX"}  # refused by the family's name
 
 
 def read_json(path: Path) -> dict:

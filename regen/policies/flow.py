@@ -1,7 +1,7 @@
 """Flow-matching image/video policy: a velocity model v(x_sigma, sigma, cond), a prompt
 conditioner, and a decoder (identity: the built-in models work in pixel space; the latent
-diffusers models in `regen.policies.flow_sd3` / `flow_wan` subclass this one and decode with
-their VAE).
+diffusers models in `regen.policies.flow_sd3`, `flow_flux`, `flow_qwenimage`, `flow_wan` and
+`flow_hunyuan` subclass this one and decode with their VAE).
 
 The built-in models are diffusers `UNet2DModel`s with tiny configs, conditioned through the
 UNet's own class-embedding path (`class_embed_type="identity"`: the prompt vector is added

@@ -1,11 +1,14 @@
-"""What the diffusers latent flow policies (SD3 and FLUX images in `flow_sd3` / `flow_flux`, Wan
-videos in `flow_wan`) share: a diffusers transformer as the velocity network, frozen text encoders as the prompt
-conditioner, a frozen VAE between latents and pixels, and a pipeline-shaped folder.
+"""What the diffusers latent flow policies (SD3, FLUX and Qwen-Image images in `flow_sd3`,
+`flow_flux`, `flow_qwenimage`; Wan and HunyuanVideo videos in `flow_wan`, `flow_hunyuan`) share:
+a diffusers transformer as the velocity network, frozen text encoders as the prompt conditioner,
+a frozen VAE between latents and pixels, and a pipeline-shaped folder.
 
 The sampling code (`sample_ode`, `rollout`, `step_logprobs`) is FlowPolicy's, unchanged: the
 samplers only need v(x_sigma, sigma, cond) with regen's convention x_sigma = (1 - sigma) x0 +
-sigma eps, v = eps - x0, which is what SD3 and Wan transformers predict when given
-timestep = 1000 sigma (diffusers' FlowMatchEulerDiscreteScheduler: timesteps = sigmas * 1000).
+sigma eps, v = eps - x0, which is what these transformers predict when given their timestep
+(1000 sigma, or sigma for FLUX and Qwen-Image, which scale it themselves; diffusers'
+FlowMatchEulerDiscreteScheduler: timesteps = sigmas * 1000). Each family's `sigmas` is the grid
+its own scheduler gives its pipeline, so the plain pipeline samples an export into regen's image.
 
 On disk a policy is a diffusers pipeline folder (model_index.json, transformer/, vae/,
 text_encoder*/, tokenizer*/, scheduler/, written by the pipeline's own save_pretrained, so
@@ -28,8 +31,6 @@ from regen.config.model import read_json as _json
 from regen.errors import UserError
 from regen.policies.flow import FlowPolicy
 
-DEFAULT_GUIDANCE = 3.5  # FluxPipeline's guidance_scale default, the value FLUX.1-dev is sampled with
-
 
 def pack(x: torch.Tensor) -> torch.Tensor:
     """(B, C, h, w) -> (B, h/2 * w/2, 4C): 2x2 latent patches as tokens, channel-major within a
@@ -49,6 +50,10 @@ def policy_class(kind: str) -> type[FlowPolicy]:
         from regen.policies.flow_flux import FluxFlowPolicy
 
         return FluxFlowPolicy
+    if kind == "hunyuan-video":
+        from regen.policies.flow_hunyuan import HunyuanVideoFlowPolicy
+
+        return HunyuanVideoFlowPolicy
     if kind == "qwen-image":
         from regen.policies.flow_qwenimage import QwenImageFlowPolicy
 
@@ -130,6 +135,7 @@ class LatentFlowPolicy(FlowPolicy):
     SCHEDULER = "FlowMatchEulerDiscreteScheduler"  # written when the source folder had none
     PARTS: tuple[str, ...] = ()  # required subfolders
     LINSPACE = False  # the pipeline passes sigmas=linspace(1, 1/n, n) to its scheduler (FLUX) or not
+    DEFAULT_GUIDANCE = 3.5  # guidance-distilled models: FluxPipeline's guidance_scale, FLUX.1-dev's value
 
     def __init__(self, transformer, encoder, vae, scheduler, meta: dict, device: torch.device):
         meta = self.complete(meta, transformer, vae)
@@ -144,12 +150,12 @@ class LatentFlowPolicy(FlowPolicy):
 
     # ---------------------------------------------------------------- guidance-distilled models
 
-    @staticmethod
-    def guidance_meta(meta: dict, transformer, folder) -> float | None:
+    @classmethod
+    def guidance_meta(cls, meta: dict, transformer, folder) -> float | None:
         """The embedded guidance value of a transformer with `guidance_embeds` (flow_policy.json's,
-        else DEFAULT_GUIDANCE); None for the others."""
+        else the family's DEFAULT_GUIDANCE); None for the others."""
         has = bool(getattr(transformer.config, "guidance_embeds", False))
-        g = meta.get("guidance_embed", DEFAULT_GUIDANCE if has else None)
+        g = meta.get("guidance_embed", cls.DEFAULT_GUIDANCE if has else None)
         if (g is not None) != has:
             raise UserError(f"model.path: '{folder}' flow_policy.json guidance_embed={g}, but its transformer "
                             f"{'has' if has else 'has no'} guidance embedding")
