@@ -210,6 +210,29 @@ def test_export_sampled_by_the_plain_pipeline_is_regens_image(family, flow_famil
     torch.testing.assert_close(ours, theirs.float(), rtol=1e-5, atol=1e-5)
 
 
+def test_the_reward_service_scores_the_families_images_and_videos_as_in_process(flow_family_dirs, flow_prompts,
+                                                                                tmp_path, monkeypatch):
+    """A real `regen serve-reward` process scores FLUX's images and HunyuanVideo's frames: each step's
+    rewards equal the in-process reward's on the same samples (same seed)."""
+    from tests.test_reward_service import TOKEN, Server
+
+    monkeypatch.setenv("TEST_TOKEN_ENV", TOKEN)
+    srv = Server("brightness").start()
+    try:
+        for fam in ("flux-dev", "hunyuan-video"):
+            rows = {}
+            for where, reward in (("local", "reward=[{name: brightness}]"),
+                                  ("remote", f"reward=[{{name: remote, args: {{url: '{srv.url}', auth_env: "
+                                             "TEST_TOKEN_ENV, reward: brightness}}]")):
+                run = tmp_path / f"{fam}-{where}"
+                assert main(["train", f"model.path={flow_family_dirs[fam]}", f"run.dir={run}",
+                             f"data.train={flow_prompts}", *JOB, *METHOD["nft"], reward]) == 0
+                rows[where] = [r["reward/mean"] for r in read_jsonl(run / "metrics.jsonl") if "reward/mean" in r]
+            assert len(rows["local"]) == 2 and rows["remote"] == pytest.approx(rows["local"], abs=1e-9), fam
+    finally:
+        assert TOKEN not in srv.stop()
+
+
 # ---------------------------------------------------------------- the table
 
 

@@ -74,7 +74,7 @@ def sft_flow(cfg: SFTConfig, resume: bool = False, force: bool = False) -> dict:
         gen = torch.Generator().manual_seed(cfg.run.seed + 7919)
         prompts = [shapes.prompt_text(m) for m in held[: cfg.eval.num_prompts]]
         policy.train(False)
-        out = policy.sample_ode(prompts, cfg.eval.samples_per_prompt, gen, steps=20)
+        out = policy.sample_ode(prompts, cfg.eval.samples_per_prompt, gen, steps=20, shift=None)  # the model's own grid
         policy.train(True)
         save_media(run.run_dir, step, out, policy=policy)
         if not quality:
