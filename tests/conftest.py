@@ -118,6 +118,29 @@ def family_dirs(tmp_path_factory) -> dict:
     return out
 
 
+def torchrun_train(*args: str):
+    """`regen train ARGS distributed.mode=torchrun` on two real ranks (one thread each); the
+    finished process (its returncode and stderr)."""
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "regen", "train",
+           *args, "distributed.mode=torchrun"]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])})
+
+
+def ray_actors_train(*args: str) -> int:
+    """`regen train ARGS` with 2 Ray rollout actors and a reward actor; Ray shut down afterwards."""
+    ray = pytest.importorskip("ray")
+    try:
+        return main(["train", *args, "distributed.mode=ray", "distributed.rollout_workers=2",
+                     "distributed.reward_workers=1"])
+    finally:
+        ray.shutdown()
+
+
 # The flow-model families of docs/images-and-videos.md#supported-models, each built tiny from its real
 # diffusers classes
 FLOW_FAMILIES = ("sd3", "wan", "flux-dev", "flux-schnell", "qwen-image", "hunyuan-video")

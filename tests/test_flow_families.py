@@ -8,10 +8,7 @@ supported-models table of docs/images-and-videos.md held to these tests."""
 
 import json
 import math
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +19,7 @@ from safetensors.torch import load_file
 from regen.cli import main
 from regen.config import ModelConfig
 from regen.policies.flow_load import load_flow_policy
-from tests.conftest import FLOW_FAMILIES, joint_args, read_jsonl
+from tests.conftest import FLOW_FAMILIES, joint_args, ray_actors_train, read_jsonl, torchrun_train
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -344,6 +341,22 @@ def assert_same_training(a_dir, b_dir, base):
     assert moved > 1e-4 and diff < 1e-3 * moved, (float(diff), float(moved))
 
 
+@pytest.mark.parametrize("family", ["flux-dev", "qwen-image", "hunyuan-video"])
+def test_lora_adapts_both_streams_of_the_joint_attention(family, flow_family_dirs):
+    """The dual-stream families' default LoRA targets: the image stream's q, k, v, out and the text
+    stream's add_q/k/v_proj and to_add_out (FLUX's single blocks: their q, k, v)."""
+    from regen.config import ModelConfig as M
+    from regen.policies.flow_lora import add_lora
+
+    p = policy(flow_family_dirs[family])
+    add_lora(p.unet, M(path="x", lora={"r": 2}).lora, 0, p.LORA_TARGETS)
+    adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in p.unet.named_parameters() if ".lora_A." in n}
+    kinds = {n.split(".")[-1] if not n.endswith("to_out.0") else "to_out.0" for n in adapted}
+    assert kinds == {"to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"}
+    if family == "flux-dev":
+        assert {"single_transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.add_q_proj"} <= adapted
+
+
 def test_fsdp_units_are_every_list_of_blocks(flow_family_dirs):
     """FSDP2 shards each block of every block list at the shallowest depth: FLUX's double- and
     single-stream blocks, Qwen-Image's blocks, a UNet's down and up blocks (not the first list only)."""
@@ -364,11 +377,7 @@ def test_torchrun_two_ranks_train_what_one_process_trains(family, strategy, flow
     base, setup = flow_family_dirs[family], dist_setup(flow_prompts)
     one, two = tmp_path / "one", tmp_path / "two"
     assert main(["train", f"model.path={base}", f"run.dir={one}", *setup, "distributed.mode=single"]) == 0
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "regen",
-           "train", f"model.path={base}", f"run.dir={two}", *setup, "distributed.mode=torchrun",
-           f"distributed.strategy={strategy}"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    out = torchrun_train(f"model.path={base}", f"run.dir={two}", *setup, f"distributed.strategy={strategy}")
     assert out.returncode == 0, out.stderr[-3000:]
     assert_same_training(two, one, base)
 
@@ -376,15 +385,10 @@ def test_torchrun_two_ranks_train_what_one_process_trains(family, strategy, flow
 @pytest.mark.extended  # Ray actors: the CI's second tier
 @pytest.mark.parametrize("family", FLOW_FAMILIES)
 def test_ray_rollout_actors_sample_what_one_process_does(family, flow_family_dirs, flow_prompts, tmp_path):
-    ray = pytest.importorskip("ray")
     base, setup = flow_family_dirs[family], dist_setup(flow_prompts)
     one, spread = tmp_path / "one", tmp_path / "ray"
     assert main(["train", f"model.path={base}", f"run.dir={one}", *setup]) == 0
-    try:
-        assert main(["train", f"model.path={base}", f"run.dir={spread}", *setup, "distributed.mode=ray",
-                     "distributed.rollout_workers=2", "distributed.reward_workers=1"]) == 0
-    finally:
-        ray.shutdown()
+    assert ray_actors_train(f"model.path={base}", f"run.dir={spread}", *setup) == 0
     assert_same_training(spread, one, base)
 
 

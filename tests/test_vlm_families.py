@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from regen.cli import main
 from regen.envs import Environment, Step
 from regen.tasks import tiny_vlms
-from tests.conftest import read_jsonl
+from tests.conftest import ray_actors_train, read_jsonl, torchrun_train
 
 FAMILIES = tiny_vlms.FAMILIES
 
@@ -288,20 +288,11 @@ def two_step_setup() -> list[str]:
 @pytest.mark.extended  # multi-process: the CI's second tier
 @pytest.mark.parametrize("family", FAMILIES)
 def test_torchrun_two_processes_train_the_same_model_as_one(family, family_dirs, tmp_path):
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     base = family_dirs[family]
     setup = [*two_step_setup(), "train.global_minibatch_size=8", "train.ppo_epochs=2"]
     one, two = tmp_path / "one", tmp_path / "two"
     assert main(["train", f"model.path={base}", f"run.dir={one}", *setup, "distributed.mode=single"]) == 0
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "regen",
-           "train", f"model.path={base}", f"run.dir={two}", *setup, "distributed.mode=torchrun"]
-    root = Path(__file__).resolve().parents[1]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)})
+    out = torchrun_train(f"model.path={base}", f"run.dir={two}", *setup)
     assert out.returncode == 0, out.stderr[-3000:]
     a, b = read_jsonl(one / "metrics.jsonl"), read_jsonl(two / "metrics.jsonl")
     assert [r["reward/mean"] for r in a] == [r["reward/mean"] for r in b]
@@ -316,15 +307,10 @@ def test_torchrun_two_processes_train_the_same_model_as_one(family, family_dirs,
 @pytest.mark.extended  # Ray actors: the CI's second tier
 @pytest.mark.parametrize("family", FAMILIES)
 def test_ray_rollout_actors_sample_what_one_process_does(family, family_dirs, tmp_path):
-    ray = pytest.importorskip("ray")
     base, setup = family_dirs[family], two_step_setup()
     one, spread = tmp_path / "one", tmp_path / "ray"
     assert main(["train", f"model.path={base}", f"run.dir={one}", *setup]) == 0
-    try:
-        assert main(["train", f"model.path={base}", f"run.dir={spread}", *setup, "distributed.mode=ray",
-                     "distributed.rollout_workers=2", "distributed.reward_workers=1"]) == 0
-    finally:
-        ray.shutdown()
+    assert ray_actors_train(f"model.path={base}", f"run.dir={spread}", *setup) == 0
     a, b = read_jsonl(one / "metrics.jsonl"), read_jsonl(spread / "metrics.jsonl")
     # the prompts' images travel to the actors: the same images, weights and uniforms, the same answers
     assert [r["reward/mean"] for r in a] == [r["reward/mean"] for r in b]

@@ -27,8 +27,7 @@ import torch
 from torch import nn
 
 from regen.policies.flow_latent import (  # noqa: F401  (pack, unpack: re-exported)
-    LatentFlowPolicy,
-    check_size,
+    PackedLatentPolicy,
     load_text_model,
     load_tokenizer,
     pack,
@@ -68,29 +67,15 @@ def image_ids(h: int, w: int, device, dtype) -> torch.Tensor:
     return ids.reshape(-1, 3).to(device=device, dtype=dtype)
 
 
-class FluxFlowPolicy(LatentFlowPolicy):
+class FluxFlowPolicy(PackedLatentPolicy):
     KIND, TRANSFORMER, VAE = "flux", "FluxTransformer2DModel", "AutoencoderKL"
     PARTS = ("transformer", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
     LAYOUT = "a FLUX pipeline folder needs transformer/, vae/, text_encoder/ (CLIP), text_encoder_2/ (T5), " \
              "tokenizer/, tokenizer_2/"
-    # attention of the double-stream blocks (image and text streams) and of the single-stream
-    # blocks: the layers the public FLUX LoRA recipes (flow_grpo, DanceGRPO) adapt
-    LINSPACE = True  # FluxPipeline: sigmas = linspace(1, 1/n, n), shifted by its scheduler
-    LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
 
     @classmethod
-    def complete(cls, meta: dict, transformer, vae, folder="") -> dict:
-        """Pixel size (default FluxPipeline's: 128 x the VAE scale), T5 length (default 512),
-        the embedded guidance (dev: 3.5 unless the folder says; schnell: none) and the unpacked
-        latent sample shape (in_channels / 4, H / scale, W / scale)."""
-        scale = 2 ** (len(vae.config.block_out_channels) - 1)
-        h, w = int(meta.get("height", 128 * scale)), int(meta.get("width", 128 * scale))
-        for what, v in (("height", h), ("width", w)):
-            check_size(what, v, scale * 2, folder)  # 2x2 packing of the latents
-        return {**meta, "kind": cls.KIND, "height": h, "width": w,
-                "max_sequence_length": int(meta.get("max_sequence_length", 512)),
-                "guidance_embed": cls.guidance_meta(meta, transformer, folder),
-                "sample_shape": [transformer.config.in_channels // 4, h // scale, w // scale]}
+    def vae_scale(cls, vae) -> int:
+        return 2 ** (len(vae.config.block_out_channels) - 1)
 
     @classmethod
     def load_encoder(cls, folder: Path, dtype, meta: dict, transformer) -> FluxTextEncoder:
@@ -99,10 +84,6 @@ class FluxFlowPolicy(LatentFlowPolicy):
             load_text_model(folder / "text_encoder_2", "T5EncoderModel", dtype), load_tokenizer(folder / "tokenizer_2"),
             meta["max_sequence_length"],
         )
-
-    def seq_len(self) -> int:
-        _, h, w = self.sample_shape
-        return (h // 2) * (w // 2)  # the packed tokens the resolution-dependent shift is computed from
 
     def pipeline(self):
         from diffusers import FluxPipeline

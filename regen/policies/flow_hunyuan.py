@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from regen.errors import UserError
-from regen.policies.flow_latent import LatentFlowPolicy, check_size, load_text_model, load_tokenizer
+from regen.policies.flow_latent import JOINT_ATTENTION, LatentFlowPolicy, check_size, load_text_model, load_tokenizer
 
 # HunyuanVideoPipeline's DEFAULT_PROMPT_TEMPLATE, and the number of its tokens before the prompt
 TEMPLATE = (
@@ -74,8 +74,7 @@ class HunyuanVideoFlowPolicy(LatentFlowPolicy):
              "(CLIP), tokenizer/, tokenizer_2/"
     LINSPACE = True  # HunyuanVideoPipeline: sigmas = linspace(1, 0, n + 1)[:-1], shifted by its scheduler
     DEFAULT_GUIDANCE = 6.0  # HunyuanVideoPipeline's guidance_scale
-    # the attention of the dual- and single-stream blocks (image and text streams)
-    LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+    LORA_TARGETS = JOINT_ATTENTION
 
     @classmethod
     def complete(cls, meta: dict, transformer, vae, folder="") -> dict:

@@ -31,6 +31,11 @@ from regen.config.model import read_json as _json
 from regen.errors import UserError
 from regen.policies.flow import FlowPolicy
 
+# LoRA targets of the dual-stream transformers (FLUX, Qwen-Image, HunyuanVideo): the joint
+# attention's image- and text-stream projections, the layers the public LoRA recipes for these
+# models (flow_grpo, DanceGRPO) adapt
+JOINT_ATTENTION = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+
 
 def pack(x: torch.Tensor) -> torch.Tensor:
     """(B, C, h, w) -> (B, h/2 * w/2, 4C): 2x2 latent patches as tokens, channel-major within a
@@ -238,6 +243,37 @@ class LatentFlowPolicy(FlowPolicy):
         with torch.no_grad():
             z = self.encode(x0.to(self.device))
         return super().flow_matching_loss(z, prompts, gen, cond_dropout, rows=rows)
+
+
+class PackedLatentPolicy(LatentFlowPolicy):
+    """Families whose transformer reads 2x2 latent patches packed as tokens (FLUX, Qwen-Image):
+    the sample is the unpacked (C, h, w) latent image, packed around each transformer call."""
+
+    LINSPACE = True  # their pipelines: sigmas = linspace(1, 1/n, n), shifted by the scheduler
+    LORA_TARGETS = JOINT_ATTENTION
+
+    @classmethod
+    def vae_scale(cls, vae) -> int:
+        """The pipeline's vae_scale_factor."""
+        raise NotImplementedError
+
+    @classmethod
+    def complete(cls, meta: dict, transformer, vae, folder="") -> dict:
+        """Pixel size (default the pipelines': 128 x the VAE scale), text length (default 512),
+        the embedded guidance (guidance-distilled transformers only) and the unpacked latent
+        sample shape (in_channels / 4, H / scale, W / scale)."""
+        scale = cls.vae_scale(vae)
+        h, w = int(meta.get("height", 128 * scale)), int(meta.get("width", 128 * scale))
+        for what, v in (("height", h), ("width", w)):
+            check_size(what, v, scale * 2, folder)  # 2x2 packing of the latents
+        return {**meta, "kind": cls.KIND, "height": h, "width": w,
+                "max_sequence_length": int(meta.get("max_sequence_length", 512)),
+                "guidance_embed": cls.guidance_meta(meta, transformer, folder),
+                "sample_shape": [transformer.config.in_channels // 4, h // scale, w // scale]}
+
+    def seq_len(self) -> int:
+        _, h, w = self.sample_shape
+        return (h // 2) * (w // 2)  # the packed tokens the resolution-dependent shift is computed from
 
 
 # ---------------------------------------------------------------- tiny tokenizers, built locally

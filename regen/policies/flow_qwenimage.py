@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from regen.policies.flow_latent import LatentFlowPolicy, check_size, load_tokenizer, pack, unpack
+from regen.policies.flow_latent import PackedLatentPolicy, load_tokenizer, pack, unpack
 
 # QwenImagePipeline's prompt template and the number of its tokens before the prompt
 TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
@@ -68,27 +68,15 @@ def pad_text(cond, width: int):
     return F.pad(states, (0, 0, 0, extra)), F.pad(mask, (0, extra))
 
 
-class QwenImageFlowPolicy(LatentFlowPolicy):
+class QwenImageFlowPolicy(PackedLatentPolicy):
     KIND, TRANSFORMER, VAE = "qwen-image", "QwenImageTransformer2DModel", "AutoencoderKLQwenImage"
     PARTS = ("transformer", "vae", "text_encoder", "tokenizer")
     LAYOUT = "a Qwen-Image pipeline folder needs transformer/, vae/, text_encoder/ (Qwen2.5-VL), tokenizer/"
-    LINSPACE = True  # QwenImagePipeline: sigmas = linspace(1, 1/n, n), shifted by its scheduler
     UNUSED_PARAMETERS = True  # the last block's text-stream MLP and modulation never reach the image output
-    # the joint attention's image- and text-stream projections (flow_grpo's Qwen-Image LoRA targets)
-    LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
 
     @classmethod
-    def complete(cls, meta: dict, transformer, vae, folder="") -> dict:
-        """Pixel size (default the pipeline's: 128 x the VAE scale), text length (default 512, the
-        pipeline's) and the latent sample shape (in_channels / 4, H / scale, W / scale)."""
-        scale = 2 ** len(vae.config.temperal_downsample)  # the pipeline's vae_scale_factor
-        h, w = int(meta.get("height", 128 * scale)), int(meta.get("width", 128 * scale))
-        for what, v in (("height", h), ("width", w)):
-            check_size(what, v, scale * 2, folder)  # 2x2 packing of the latents
-        return {**meta, "kind": cls.KIND, "height": h, "width": w,
-                "max_sequence_length": int(meta.get("max_sequence_length", 512)),
-                "guidance_embed": cls.guidance_meta(meta, transformer, folder),
-                "sample_shape": [transformer.config.in_channels // 4, h // scale, w // scale]}
+    def vae_scale(cls, vae) -> int:
+        return 2 ** len(vae.config.temperal_downsample)
 
     @classmethod
     def load_encoder(cls, folder: Path, dtype, meta: dict, transformer) -> QwenImageTextEncoder:
@@ -96,10 +84,6 @@ class QwenImageFlowPolicy(LatentFlowPolicy):
 
         model = AutoModelForImageTextToText.from_pretrained(str(folder / "text_encoder"), dtype=dtype)
         return QwenImageTextEncoder(model, load_tokenizer(folder / "tokenizer"), meta["max_sequence_length"])
-
-    def seq_len(self) -> int:
-        _, h, w = self.sample_shape
-        return (h // 2) * (w // 2)  # the packed tokens the resolution-dependent shift is computed from
 
     def pipeline(self):
         from diffusers import QwenImagePipeline
