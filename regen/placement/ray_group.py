@@ -6,7 +6,8 @@ Rank 0 drives the rollout actors exactly as a single trainer does (regen/placeme
 shares of the step's groups, each with its rows of the step's plan; dead actors replaced). Every
 other rank draws the same prompts and the same plan from its own data sampler and generator, so
 all ranks stay in step with rank 0 (and with a torchrun run of the same seed) without being sent
-them, and receives the sampled batch from rank 0. After each update every rank joins the weight
+them, and receives the sampled batch from rank 0 (its tensors as one broadcast of raw bytes over
+the process group, only its skeleton pickled: Dist.broadcast_batch). After each update every rank joins the weight
 gather (FSDP2: a collective; DDP: rank 0 already holds them) and rank 0 pushes them to the
 actors. Rewards are scored on the ranks, each its share, as in a group that samples itself.
 With max_staleness 1 rank 0 requests the next batch before the update (it overlaps the update),
@@ -67,7 +68,7 @@ class GroupRollouts:
             if self.bound >= 1 and step < self.cfg.train.steps:
                 self._ahead = self._draw(step + 1, gen)
             sent = None
-        batch, self._stale = self.dist.broadcast_object(sent)
+        batch, self._stale = self.dist.broadcast_batch(sent)  # tensors over the group, not pickled
         return items, self.m.concat([batch])
 
     def _draw(self, step: int, gen: torch.Generator, again: bool = False):

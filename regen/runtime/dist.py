@@ -87,6 +87,30 @@ class Dist:
         tdist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def broadcast_batch(self, obj: Any) -> Any:
+        """Rank 0's `obj` (a sampled batch) on every rank: its tensors as one broadcast of raw bytes
+        over the process group (NCCL on GPUs), only its skeleton pickled (regen/runtime/tensor_tree.py),
+        so that what is pickled per step does not grow with the batch. Sets `batch_bytes` to
+        (bytes pickled, bytes broadcast) on rank 0."""
+        if not self.on:
+            return obj
+        import pickle
+
+        from regen.runtime import tensor_tree as tt
+
+        head, tensors = None, []
+        if self.main:
+            skeleton, tensors = tt.split(obj)
+            head = (skeleton, tt.layout(tensors))
+        skeleton, meta = self.broadcast_object(head)
+        buf = tt.pack_bytes(tensors, self.device) if self.main else tt.empty_bytes(meta, self.device)
+        if buf.numel():
+            tdist.broadcast(buf, src=0)
+        if self.main:
+            self.batch_bytes = (len(pickle.dumps(head)), int(buf.numel()))
+            return obj  # rank 0 keeps its own tensors
+        return tt.join(skeleton, tt.unpack_bytes(buf, meta, self.device))
+
     def gather_rows(self, t: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's rows (same shape on every rank) in rank order."""
         if not self.on:
