@@ -61,14 +61,15 @@ def test_two_trainer_actors_with_fsdp2_train_the_same_weights_as_one_process(bas
 ACTORS = ["distributed.group_sampling=actors", "distributed.rollout_workers=2"]
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_a_trainer_group_whose_rollout_actors_sample_trains_what_one_process_trains(strategy, base_model, one_process,
-                                                                                  tmp_path):
+@pytest.mark.parametrize("strategy,sync", [("ddp", "object_store"), ("fsdp", "object_store"), ("fsdp", "collective")])
+def test_a_trainer_group_whose_rollout_actors_sample_trains_what_one_process_trains(strategy, sync, base_model,
+                                                                                  one_process, tmp_path):
     """group_sampling=actors: rank 0 drives 2 rollout actors, every rank gets the batch; the weights
-    go to the actors gathered (FSDP2) after each update, so they sample what one process samples."""
+    go to the actors gathered (FSDP2) after each update, so they sample what one process samples;
+    with sync=collective rank 0 broadcasts them over a group of its own beside the trainer group's."""
     run = tmp_path / "run"
     ray.shutdown()  # a private Ray sized for this run's actors (an earlier one may have had room for 2 only)
-    assert group(run, base_model, f"distributed.strategy={strategy}", *ACTORS) == 0
+    assert group(run, base_model, f"distributed.strategy={strategy}", *ACTORS, f"distributed.sync={sync}") == 0
     same_run(run, one_process, base_model)
     rows = read_jsonl(run / "metrics.jsonl")
     assert all(r["sync/mb"] > 0 and r["rollout/worker_restarts"] == 0 for r in rows)  # the actors sampled

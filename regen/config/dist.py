@@ -37,7 +37,7 @@ class DistributedConfig(Section):
     )
     strategy: Literal["ddp", "fsdp"] = _strategy("torchrun and a Ray trainer group")
     backend: Literal["auto", "nccl", "gloo"] = _backend("torchrun and a Ray trainer group")
-    timeout_s: float = _timeout("torchrun and a Ray trainer group")
+    timeout_s: float = _timeout("torchrun, a Ray trainer group and distributed.sync=collective")
     colocate: bool = Field(
         False, description="single and torchrun: sampling and training share each process's device, handing "
         "memory to each other between phases. Before sampling the optimizer state and the frozen copies go to CPU "
@@ -88,6 +88,15 @@ class DistributedConfig(Section):
         "stops; with trainer_workers > 1, restarts of the trainer group (after an actor died) per run."
     )
     actor_threads: int = Field(1, ge=1, description="ray: torch threads of each actor on CPU.")
+    sync: Literal["object_store", "collective"] = Field(
+        "object_store", description="ray: how the weights reach the rollout actors after each update. "
+        "'object_store': each bucket is put in Ray's object store once and every actor reads it (nothing to set up; "
+        "on one node the actors read shared memory). 'collective': the trainer and its rollout actors form a "
+        "process group of their own (NCCL when both are on GPUs, else gloo) and each bucket is broadcast straight "
+        "into the actors' models, as verl and OpenRLHF sync their rollout engines: the path for GPU clusters. A "
+        "sync that loses an actor replaces it and sends again over a new group; a replaced actor takes the "
+        "current weights through the object store, then joins the group."
+    )
     sync_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="ray: dtype of the weights sent to the rollout actors after each update. float32: "
         "exactly the trainer's (a Ray run samples what one process samples). bfloat16: half the bytes; the actors "

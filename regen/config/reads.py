@@ -50,11 +50,13 @@ PROCESS_GROUP = [
            "distributed.backend", "distributed.timeout_s"),
     *when("with distributed.mode=ray", lambda c: c.distributed.mode == "ray", "distributed.ray_address",
            "distributed.trainer_workers", "distributed.max_restarts"),
+    *when("with distributed.mode=ray and sync=collective (the weight group's broadcasts)",
+           lambda c: c.distributed.mode == "ray" and c.distributed.sync == "collective", "distributed.timeout_s"),
     *when("with distributed.mode=ray and trainer_workers > 1", _trainer_group, "distributed.trainer_resources",
            "distributed.group_sampling"),
     *when("in a Ray trainer group with distributed.group_sampling=actors", _group_actors,
            "distributed.rollout_workers", "distributed.rollout_resources", "distributed.actor_threads",
-           "distributed.sync_dtype", "distributed.sync_bucket_mb", "distributed.sync_changed_only",
+           "distributed.sync", "distributed.sync_dtype", "distributed.sync_bucket_mb", "distributed.sync_changed_only",
            "distributed.max_staleness"),
 ]
 
@@ -78,7 +80,7 @@ ONLINE = [
     *when("with distributed.mode=ray and trainer_workers=1 (a trainer group samples and scores on its trainers)",
            _ray_actors, "distributed.rollout_workers", "distributed.reward_workers", "distributed.rollout_resources",
            "distributed.reward_resources", "distributed.max_staleness", "distributed.actor_threads",
-           "distributed.sync_dtype", "distributed.sync_bucket_mb", "distributed.sync_changed_only"),
+           "distributed.sync", "distributed.sync_dtype", "distributed.sync_bucket_mb", "distributed.sync_changed_only"),
 ]
 
 def arithmetic(cfg) -> bool:

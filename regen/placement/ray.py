@@ -9,7 +9,9 @@ actors placed by `distributed.*_resources` (whole nodes, GPUs, or custom node la
   (distributed.sync_bucket_mb, cast to distributed.sync_dtype), and every actor loads them bucket
   by bucket, tagged with the version (= step). Ray runs an actor's calls in order, so a sample
   call made after a sync sees the new weights; a replaced actor loads the chain of buckets that
-  holds every current tensor (regen/placement/sync.py).
+  holds every current tensor (regen/placement/sync.py). With `distributed.sync: collective` the
+  same buckets are broadcast over a process group of the trainer and its actors instead
+  (regen/placement/collective.py).
 - Staleness: with `max_staleness` k >= 1 the next batch is requested before the update (it
   overlaps the update); a batch whose oldest weights lag more than k versions is thrown away
   and sampled again with the current ones.
@@ -145,20 +147,11 @@ class ActorGroup:
                         self.on_new(self.actors[i])  # queued after the call: Ray runs an actor's calls in order
         return out
 
-    def push(self, state: dict[str, torch.Tensor], version: int, packer: Packer):
-        """Put weights in the object store once (in buckets, see regen/placement/sync.py) and have
-        every actor load them with `version`; not awaited: Ray runs an actor's calls in order, so
-        its next sample sees them. Returns the buckets, their object references and the metrics."""
-        import ray
-
-        t0 = time.perf_counter()
-        buckets = packer.pack(state)
-        refs = [ray.put(b) for b in buckets]
+    def load(self, handles: list, version: int) -> None:
+        """Have every actor load the weights in `handles` (object references, or bucket dicts) as
+        `version`; not awaited: Ray runs an actor's calls in order, so its next sample sees them."""
         for i in range(len(self.actors)):
-            self.call(i, "load_weights", refs, version)
-        return buckets, refs, {"sync/s": time.perf_counter() - t0, "sync/mb": nbytes(buckets) / 1e6,
-                               "sync/buckets": float(len(buckets)), "sync/tensors": float(sum(map(len, buckets))),
-                               "sync/unchanged": float(packer.skipped)}
+            self.call(i, "load_weights", handles, version)
 
     def drain(self, timeout_s: float) -> None:
         """Wait (at most timeout_s) until every actor has run the calls queued to it."""
@@ -193,11 +186,16 @@ class RayRollouts:
         self._weights = None  # the object references a new actor loads, in order, for the current weights
         self._packer = Packer(getattr(torch, d.sync_dtype), int(d.sync_bucket_mb * 1e6), d.sync_changed_only)
         self._chain = Chain()
+        self._collective = None  # distributed.sync=collective: the weight group (regen/placement/collective.py)
         self._by_version: dict[int, object] = {}  # the recent versions' weights, for replaced actors
         self._ahead = None  # (step, items, plan, refs, data and generator state before them, version)
         self._lag = self.discarded = 0
         self._unread: list = []  # the requests of the last batch requested ahead and then dropped
         try:
+            if d.sync == "collective":
+                from regen.placement.collective import CollectiveSync, backend_for
+
+                self._collective = CollectiveSync(self.workers, backend_for(cfg), d.timeout_s, d.max_restarts)
             self.sync(version, state)
         except BaseException:
             self.workers.close()  # actors started for a run that does not start
@@ -222,9 +220,19 @@ class RayRollouts:
 
     def sync(self, step: int, state: dict | None = None) -> dict[str, float]:
         """Push the weights (`state`, default the modality's sync_state) to every actor as version `step`."""
+        import ray
+
+        t0 = time.perf_counter()
         state = self.m.sync_state() if state is None else state
-        buckets, refs, metrics = self.workers.push(state, step, self._packer)
-        self._weights = self._chain.add(refs, buckets)
+        buckets = self._packer.pack(state)
+        # a replaced actor loads the chain through the object store on either path (its handles:
+        # object references, or with a collective group the bucket dicts, which Ray sends as arguments)
+        handles = buckets if self._collective else [ray.put(b) for b in buckets]
+        self._weights = self._chain.add(handles, buckets)
+        metrics = self._collective.send(buckets, step) if self._collective else self.workers.load(handles, step) or {}
+        metrics |= {"sync/s": time.perf_counter() - t0, "sync/mb": nbytes(buckets) / 1e6,
+                    "sync/buckets": float(len(buckets)), "sync/tensors": float(sum(map(len, buckets))),
+                    "sync/unchanged": float(self._packer.skipped)}
         self.version = step
         self._by_version = {v: w for v, w in self._by_version.items() if v >= step - self.bound} | {step: self._weights}
         return metrics
@@ -255,6 +263,8 @@ class RayRollouts:
         if not unread or len(ray.wait(unread, num_returns=len(unread), timeout=0)[0]) == len(unread):
             self.workers.drain(DRAIN_S)
         self.workers.close()
+        if self._collective:
+            self._collective.close()
 
     # -------------------------------------------------------------- helpers
 

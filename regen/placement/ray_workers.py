@@ -44,6 +44,27 @@ class RolloutWorker:
         self.version = version
         return version
 
+    def join_group(self, host: str, port: int, tag: int, rank: int, world: int, backend: str, timeout_s: float) -> bool:
+        """distributed.sync=collective: become rank `rank` of the trainer's weight group, generation
+        `tag` (regen/placement/collective.py), leaving the last generation's group first."""
+        from regen.placement.collective import connect
+
+        self.group, self.backend = None, backend
+        self.group = connect(host, port, tag, rank, world, backend, timeout_s)
+        return True
+
+    def recv_weights(self, buckets: list[tuple[list[str], list]], version: int) -> int:
+        """distributed.sync=collective: the buckets (their names and layouts here, their bytes by
+        broadcast from the trainer), each copied into the sampler as it arrives."""
+        from regen.placement.collective import receive
+
+        self.version = -1  # until the whole sync is in: a failed one must not sample with half of it
+        for names, meta in buckets:
+            self.m.take_weights(dict(zip(names, receive(self.group, meta, self.backend), strict=True)))
+        self.m.weights_taken()
+        self.version = version
+        return version
+
     def sample(self, prompts: list[str], n: int, plan):
         if self.version < 0:
             raise RuntimeError("rollout worker asked to sample before any weights were sent")

@@ -101,12 +101,16 @@ def empty_bytes(meta, device) -> torch.Tensor:
     return torch.empty(_spans(meta)[1], dtype=torch.uint8, device=device)
 
 
-def unpack_bytes(buf: torch.Tensor, meta, device) -> list[torch.Tensor]:
+def unpack_bytes(buf: torch.Tensor, meta, device, copy: bool = True) -> list[torch.Tensor]:
     """The tensors of a packed buffer: each its own copy, with its shape and dtype, on the CPU when
-    it was sent from the CPU, else on `device`."""
+    it was sent from the CPU, else on `device`. copy=False: views of `buf` where they are (for a
+    receiver that copies them on at once, such as into its model)."""
     spans, _ = _spans(meta)
     out = []
     for (shape, dtype, where), (at, n) in zip(meta, spans):
-        t = buf[at:at + n].view(getattr(torch, dtype)).reshape(shape).clone()
-        out.append(t.cpu() if where == "cpu" else t.to(device))
+        t = buf[at:at + n].view(getattr(torch, dtype)).reshape(shape)
+        if copy:
+            t = t.clone()
+            t = t.cpu() if where == "cpu" else t.to(device)
+        out.append(t)
     return out

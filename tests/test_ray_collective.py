@@ -1,0 +1,91 @@
+"""distributed.sync=collective on a private local Ray: the trainer and its 2 rollout actors form a
+gloo group of their own and every sync is broadcast over it. The actors sample exactly what one
+process samples, also when an actor is SIGKILLed between syncs or in the middle of one."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from regen.cli import main
+from tests.conftest import read_jsonl
+from tests.test_ray import LEARN, RAY, kill_when
+
+pytestmark = pytest.mark.extended  # multi-process: the CI's second tier (pyproject.toml markers)
+
+ray = pytest.importorskip("ray")
+
+COLLECTIVE = [*RAY, "distributed.sync=collective"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def private_ray():
+    ray.shutdown()  # a Ray an earlier module left up (a failed test) is sized for that module's actors
+    yield
+    ray.shutdown()
+
+
+def test_a_collective_sync_run_samples_what_one_process_samples_through_a_killed_actor(base_model, tmp_path):
+    steps = "train.steps=10"
+    single, spread = tmp_path / "single", tmp_path / "collective"
+    assert main(["train", f"model.path={base_model}", f"run.dir={single}", *LEARN, steps]) == 0
+    killed: list = []
+    watcher = kill_when(spread, 4, "regen-rollout-0-g0", killed)  # between syncs: found by the next sample
+    # buckets of 0.2 MB (about 9 a sync): the replaced actor loads the chain, then joins a new group
+    assert main(["train", f"model.path={base_model}", f"run.dir={spread}", *LEARN, *COLLECTIVE, steps,
+                 "distributed.sync_bucket_mb=0.2"]) == 0
+    watcher.join(1)
+    assert killed == ["regen-rollout-0-g0"]
+    rows, ref = read_jsonl(spread / "metrics.jsonl"), read_jsonl(single / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 11))
+    assert rows[-1]["rollout/worker_restarts"] >= 1 and rows[-1]["sync/regroups"] >= 1  # replaced, regrouped
+    assert rows[0]["sync/buckets"] >= 5 and all(r["sync/broadcast_s"] > 0 for r in rows)
+    # every step's batch is the one one process samples: the broadcast weights are the trainer's, bit for bit
+    assert [r["reward/mean"] for r in rows] == [r["reward/mean"] for r in ref]
+    assert [r["response_length/mean"] for r in rows] == [r["response_length/mean"] for r in ref]
+
+
+def test_an_actor_killed_during_a_sync_is_replaced_and_every_actor_ends_with_the_sync(base_model, tmp_path):
+    """SIGKILL of a rollout actor while the trainer broadcasts (about 17 buckets): the broadcast
+    fails, the dead actor is replaced, a new group is built and the sync sent again; both actors
+    then sample with exactly the trainer's weights."""
+    from regen.config import RLConfig, load_config
+    from regen.data import EpochSampler, load_prompts
+    from regen.modalities.lm import LMModality
+    from regen.placement.ray import RayRollouts
+    from regen.runtime.dist import Dist
+
+    cfg = load_config(RLConfig, None, [f"model.path={base_model}", *LEARN, *COLLECTIVE, "distributed.sync_bucket_mb=0.05",
+                                       "distributed.sync_changed_only=false"])
+    m = LMModality(cfg, torch.device("cpu"), Dist())
+    prompts = load_prompts(cfg.data.train, cfg.task, "data.train", False, cfg.data.columns)
+    pool = RayRollouts(m, EpochSampler(len(prompts), 0), prompts, cfg, version=0)
+    try:
+        pid = ray.get(pool.workers.actors[0].__ray_call__.remote(lambda self: __import__("os").getpid()))
+        with torch.no_grad():
+            for p in m.policy.model.parameters():
+                p.add_(0.01 * torch.randn_like(p))
+        started = threading.Event()
+
+        def kill():
+            started.wait(10)
+            time.sleep(0.02)
+            __import__("os").kill(pid, 9)
+
+        t = threading.Thread(target=kill, daemon=True)
+        t.start()
+        started.set()
+        metrics = pool.sync(1)
+        t.join(5)
+        assert pool.workers.restarts == 1 and metrics["sync/regroups"] == 1 and metrics["sync/buckets"] >= 10
+        gen = torch.Generator().manual_seed(0)
+        _, items, plan, refs, _, version = pool._submit(2, gen)
+        batch = pool._collect(items, plan, refs, version)
+        assert batch.version.tolist() == [1] * 32
+        # both actors (the replacement: rows 0-15) sample with the trainer's weights: their log-probs are its own
+        mask = batch.response_mask.bool()
+        torch.testing.assert_close(batch.behaviour_logp[mask], m.policy.token_logprobs(batch, 1.0)[0][mask],
+                                   atol=1e-5, rtol=1e-5)
+    finally:
+        pool.close()
