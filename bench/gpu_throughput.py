@@ -187,7 +187,8 @@ def char_tokenizer(vocab_size: int):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from regen.tasks.arithmetic import CHARS, SPECIALS
+    from regen.tasks.arithmetic import CHARS
+    from regen.tasks.tiny_models import SPECIALS
 
     words = SPECIALS + CHARS
     words += [f"<t{i}>" for i in range(len(words), vocab_size)]
