@@ -89,3 +89,39 @@ def test_missing_manifest_or_file(tmp_path):
         ckpt.verify(folder)
     with pytest.raises(UserError, match="no valid checkpoint"):
         ckpt.load_latest(tmp_path, warn=lambda m: None)
+
+
+def test_a_streamed_safetensors_file_reads_back_as_safetensors_wrote_it(tmp_path):
+    """The FSDP2 optimizer gather streams its tensors one at a time (regen/runtime/safetensors_stream.py):
+    safetensors' own reader must give back every tensor exactly, whatever its dtype and shape."""
+    from safetensors.torch import load_file, save_file
+
+    from regen.runtime.safetensors_stream import StreamWriter
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"0.exp_avg": torch.randn(7, 3, generator=g), "0.step": torch.tensor(5.0),
+               "1.exp_avg_sq": torch.randn(5, generator=g).to(torch.bfloat16), "1.ids": torch.arange(6).view(2, 3),
+               "2.mask": torch.tensor([True, False, True]), "3.half": torch.randn(2, 2, generator=g).half(),
+               "4.empty": torch.zeros(0, 4), "5.strided": torch.randn(4, 6, generator=g).t()}
+    w = StreamWriter(tmp_path / "s.safetensors", [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()])
+    for k, v in tensors.items():
+        w.write(k, v)
+    w.close()
+    back = load_file(str(tmp_path / "s.safetensors"))
+    assert set(back) == set(tensors)
+    for k, v in tensors.items():
+        assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "ref.safetensors"))
+    ref = load_file(str(tmp_path / "ref.safetensors"))
+    assert all(torch.equal(ref[k], back[k]) for k in tensors)
+
+
+def test_a_streamed_write_refuses_a_tensor_other_than_declared_and_an_unfinished_file(tmp_path):
+    from regen.runtime.safetensors_stream import StreamWriter
+
+    w = StreamWriter(tmp_path / "s.safetensors", [("a", torch.float32, (2,)), ("b", torch.float32, (3,))])
+    with pytest.raises(ValueError, match=r"tensor 0 written as \('a', torch.float32, \(3,\)\), declared as"):
+        w.write("a", torch.zeros(3))
+    w.write("a", torch.zeros(2))
+    with pytest.raises(ValueError, match="1 of 2 declared tensors written"):
+        w.close()

@@ -168,6 +168,11 @@ def test_sigterm_finishes_the_step_checkpoints_and_exits_0(signalled, tmp_path):
     assert json.loads((run / "run.json").read_text())["status"] == "stopped"
     assert main(_kill_args(job, run)) == 0
     same_run(reference, run)
+    rows = read_jsonl(run / "metrics.jsonl")
+    # the books' own times: each checkpoint's write on the row after it (none before the first), the
+    # resume's on the first row of the second process, and only there
+    assert "time/checkpoint_s" not in rows[0] and all(r["time/checkpoint_s"] > 0 for r in rows[1:stopped])
+    assert [i for i, r in enumerate(rows) if "time/resume_s" in r] == [stopped] and rows[stopped]["time/resume_s"] > 0
 
 
 def test_dynamic_sampling_keeps_only_groups_with_signal(job, tmp_path):

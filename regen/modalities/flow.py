@@ -129,9 +129,10 @@ class FlowModality(Modality):
         """behaviour: also keep each SDE step's Gaussian mean (for batches trained on after the
         weights moved: Flow-DPPO's trust region is measured against the sampling weights)."""
         f = self.cfg.flow
-        return self.policy.rollout(prompts, n, plan.noise(), f.steps, plan.sde, f.noise_level, f.sampler, f.shift,
-                                   f.guidance, keep_states=bool(plan.sde.any()),
-                                   keep_means=behaviour and bool(plan.sde.any()), solver=f.solver)
+        with self.dist.unsharded(self.policy.unet):  # FSDP2: gathered once, not at every denoising step
+            return self.policy.rollout(prompts, n, plan.noise(), f.steps, plan.sde, f.noise_level, f.sampler,
+                                       f.shift, f.guidance, keep_states=bool(plan.sde.any()),
+                                       keep_means=behaviour and bool(plan.sde.any()), solver=f.solver)
 
     def concat(self, parts: list[FlowSample]) -> FlowSample:
         return FlowSample.concat([p.to(self.device) for p in parts])

@@ -152,7 +152,9 @@ class LMModality(Modality):
         extra = {"with_logp": True} if behaviour and not self.vllm else {}
         if plan.seeds is not None:
             extra["seeds"] = plan.seeds
-        return self.engine.sample(prompts, n, r.temperature, r.top_p, r.max_new_tokens, None, uniforms=plan.u, **extra)
+        with self.dist.unsharded(self.policy.model):  # FSDP2: gathered once, not at every token
+            return self.engine.sample(prompts, n, r.temperature, r.top_p, r.max_new_tokens, None, uniforms=plan.u,
+                                      **extra)
 
     def concat(self, parts: list[LMRollout]) -> LMRollout:
         return concat_rollouts(parts, self.policy.pad_id).to(self.device)

@@ -287,7 +287,7 @@ class OfflineRun:
             return None
         # FSDP2: the whole weights and optimizer state gathered from the shards (collectives, every rank)
         weights, opt_state = self.dist.full_model_state(self.model.module), \
-            self.dist.full_optim_state(self.model.module, self.opt)
+            self.dist.full_optim_state(self.model.module, self.opt, self.run_dir / "checkpoints")
         folder = self.dist.broadcast_object(self._write(step, weights, opt_state) if self.dist.main else None)
         if folder is not None:
             self.health.checkpointed()
@@ -301,7 +301,7 @@ class OfflineRun:
         try:
             return ckpt.save_checkpoint(
                 self.run_dir, step, lambda folder: self.model.save(folder, weights),
-                self.opt if opt_state is None else ckpt.Gathered(opt_state), rng={"torch_cpu": torch.get_rng_state()},
+                ckpt.as_saved(self.opt, opt_state), rng={"torch_cpu": torch.get_rng_state()},
                 state={"data": self.data.state(), "trainer": self.trainer, "healthy": not self.health.problem,
                        "health": self.health.state(), "config": redact(self.cfg.model_dump(mode="json")),
                        "regen_version": __version__},

@@ -16,6 +16,7 @@ from regen.report.svg import DASHES, PALETTE, Line, histogram_chart, line_chart,
 REWARD_STATS = {"reward/mean", "reward/std", "reward/missing_frac", "reward/zero_std_frac"}
 FRACTIONS = ["reward/zero_std_frac", "reward/missing_frac", "response/truncated_frac"]
 TIME_ORDER = ["time/sample_s", "time/logprob_s", "time/score_s", "time/update_s"]
+OUTSIDE_STEP = ("time/step_s", "time/checkpoint_s", "time/resume_s")  # not parts of a step's time
 QUALITY_ORDER = ("fid", "kid", "precision", "recall", "ssim", "psnr", "temporal_ssim", "clip_score", "bleu4", "chrf",
                  "exact_match", "gates_passed")
 QUALITY_HINT = {"eval/fid": " (lower is closer to the reference)", "eval/kid": " (lower is closer)",
@@ -185,7 +186,7 @@ def time_split_figures(runs: list[Run], axis: XAxis) -> list[str]:
     for run, m in zip(runs, axis.maps):
         keys = run.keys()
         parts = [k for k in TIME_ORDER if k in keys] + sorted(
-            k for k in keys if k.startswith("time/") and k not in TIME_ORDER and k != "time/step_s")
+            k for k in keys if k.startswith("time/") and k not in TIME_ORDER and k not in OUTSIDE_STEP)
         if not parts or m is None:
             continue
         rows = {s: {} for s, _ in run.series(parts[0])}

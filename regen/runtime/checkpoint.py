@@ -79,7 +79,29 @@ class Gathered:
         return self._state
 
 
-def save_optimizer(opt: torch.optim.Optimizer, folder: Path, name: str) -> None:
+class Spooled:
+    """An optimizer state already written in save_optimizer's form (its tensors streamed to `path`
+    while they were gathered from FSDP2 shards: regen/runtime/dist.py), moved into the checkpoint."""
+
+    def __init__(self, path: Path, meta: dict, error: BaseException | None = None):
+        self.path, self.meta, self.error = path, meta, error  # error: what stopped the streamed write
+
+
+def as_saved(opt: torch.optim.Optimizer, gathered) -> object:
+    """What save_optimizer writes: the optimizer itself, its state gathered in memory, or spooled."""
+    if gathered is None:
+        return opt
+    return gathered if isinstance(gathered, Spooled) else Gathered(gathered)
+
+
+def save_optimizer(opt, folder: Path, name: str) -> None:
+    if isinstance(opt, Spooled):  # same filesystem (the checkpoints folder): a rename
+        if opt.error is not None:
+            opt.path.unlink(missing_ok=True)
+            raise opt.error
+        os.replace(opt.path, folder / f"{name}.safetensors")
+        (folder / f"{name}.json").write_text(json.dumps(opt.meta))
+        return
     tensors, meta = optimizer_to_flat(opt)
     save_file(tensors, str(folder / f"{name}.safetensors"))
     (folder / f"{name}.json").write_text(json.dumps(meta))

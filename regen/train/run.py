@@ -84,6 +84,8 @@ class Run:
     evals: list[dict] | None = None  # the evaluations so far (health.hacking_metric), rebuilt from metrics.jsonl
     tasks: list[Task] | None = None  # a multi-task run's streams (regen/data/tasks.py); `data` is then a TaskMix
     memory: PhaseMemory | None = None  # distributed.colocate: each phase's peak memory
+    # for the next metrics row: the last checkpoint's write time (time/checkpoint_s), the resume's (time/resume_s)
+    books: dict = field(default_factory=dict)
 
     @classmethod
     def start(cls, cfg: RLConfig, resume: bool = False, force: bool = False) -> Run:
@@ -118,6 +120,7 @@ class Run:
             if mirror.download_latest(run_dir / "checkpoints") is not None:
                 resume = True
         resume = d.broadcast_object(resume)
+        t_read = time.perf_counter()
         state = resume_state(cfg, run_dir, alerts, force) if resume else None
 
         try:
@@ -134,6 +137,8 @@ class Run:
         health = HealthMonitor(cfg.health, alerts)
         start_step = restore_books(state, run_dir, opt, data, gen, health,
                                    load_optimizer=lambda sd: d.load_optim_state(m.trained, opt, sd))
+        # reading the checkpoint, building the model from it and loading the optimizer and books
+        books = {"time/resume_s": time.perf_counter() - t_read} if state is not None else {}
         reward, rollout = place(cfg, d, m, reward, data, prompts, start_step)  # the workers (Ray actors) before
         # anything is written: one that cannot start leaves no run behind
         if d.main:
@@ -150,7 +155,8 @@ class Run:
         return cls(cfg, run_dir, m, opt, data, gen, reward, prompts, eval_items, log, alerts, health, start_step,
                    rollout, d, Precision(cfg.train.precision, device), hooks, mirror,
                    state["state"].get("reward_versions") if state else None, quality=quality,
-                   evals=earlier_evals(run_dir) if state is not None and d.main else [], tasks=tasks, memory=memory)
+                   evals=earlier_evals(run_dir) if state is not None and d.main else [], tasks=tasks, memory=memory,
+                   books=books)
 
     # ------------------------------------------------------------------ each step
 
@@ -222,6 +228,8 @@ class Run:
         cfg = self.cfg
         if self.eval_items and cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
             metrics.update(self.evaluate(step))
+        metrics |= self.books  # the checkpoint written after the previous row (or read at the resume)
+        self.books = {}
         self.log.log(step, metrics)
         bar.update(step, f"reward {metrics['reward/mean']:.3f}  {metrics['throughput/samples_per_s']:.1f} samples/s")
         if self.health.observe(step, metrics):  # a non-finite streak (or, if asked, a collapse): roll back
@@ -268,8 +276,10 @@ class Run:
         earlier checkpoints are untouched and training goes on. Under torchrun every rank calls
         it (FSDP2 gathers the shards), rank 0 writes."""
         d = self.dist
+        t0 = time.perf_counter()
         self.rollout.discard_prefetch()  # a batch sampled ahead is not part of the saved state
-        gathered, opt_state = self.m.gather(), d.full_optim_state(self.m.trained, self.opt)
+        gathered = self.m.gather()
+        opt_state = d.full_optim_state(self.m.trained, self.opt, self.run_dir / "checkpoints")
 
         def write() -> Path | None:
             folder = save_run_checkpoint(self, step, gathered, opt_state)
@@ -280,6 +290,8 @@ class Run:
         folder = d.broadcast_object(write() if d.main else None)  # none reads a checkpoint before it is complete
         if folder is not None and not d.main:
             self.health.checkpointed()
+        if folder is not None:  # gather + write + fsync (outside time/step_s)
+            self.books = {"time/checkpoint_s": time.perf_counter() - t0}
         return folder
 
     def rollback(self, step: int) -> None:
@@ -358,7 +370,7 @@ def save_run_checkpoint(run: Run, step: int, gathered, opt_state: dict | None) -
     gathered from FSDP2 shards, else its own. A failed write (disk full...) raises an alert and
     returns None: earlier checkpoints are untouched and training goes on."""
     tree = redact(run.cfg.model_dump(mode="json"))
-    opt = run.opt if opt_state is None else ckpt.Gathered(opt_state)
+    opt = ckpt.as_saved(run.opt, opt_state)
     try:
         folder = ckpt.save_checkpoint(
             run.run_dir, step, None, opt,
