@@ -37,7 +37,7 @@ def test_layout_manifest_and_round_trip(tmp_path):
     assert torch.equal(loaded["rng"]["sampler"], torch.tensor([1, 2, 3]))
     # the optimizer state restores into a fresh optimizer with identical tensors
     _, fresh = _opt()
-    fresh.load_state_dict(loaded["optimizer"])
+    fresh.load_state_dict(loaded["optimizer"].load())
     for k, v in opt.state_dict()["state"][0].items():
         assert torch.equal(v, fresh.state_dict()["state"][0][k])
     assert fresh.state_dict()["param_groups"] == opt.state_dict()["param_groups"]

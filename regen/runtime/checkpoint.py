@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from regen.errors import UserError
@@ -107,12 +107,35 @@ def save_optimizer(opt, folder: Path, name: str) -> None:
     (folder / f"{name}.json").write_text(json.dumps(meta))
 
 
-def load_optimizer(folder: Path, name: str) -> dict | None:
-    """An optimizer state_dict saved by save_optimizer, or None when the checkpoint has none."""
+class Stored:
+    """An optimizer state saved by save_optimizer, read when it is loaded: whole (`load()`, a
+    state_dict), or one tensor at a time (`tensor(key)`), so that an FSDP2 rank taking its shards
+    never holds the whole state (8 bytes per parameter for AdamW) beside them."""
+
+    def __init__(self, folder: Path, name: str):
+        self.path = folder / f"{name}.safetensors"
+        self.meta = json.loads((folder / f"{name}.json").read_text())
+        with safe_open(str(self.path), "pt") as f:  # the header only: an unreadable file fails here
+            self.keys = set(f.keys())
+
+    def load(self) -> dict:
+        return optimizer_from_flat(load_file(str(self.path)), self.meta)
+
+    def tensor(self, key: str) -> torch.Tensor:
+        with safe_open(str(self.path), "pt") as f:
+            return f.get_tensor(key)
+
+
+def load_optimizer(folder: Path, name: str) -> Stored | None:
+    """The optimizer state saved by save_optimizer, or None when the checkpoint has none."""
     if not (folder / f"{name}.safetensors").is_file():
         return None
-    return optimizer_from_flat(load_file(str(folder / f"{name}.safetensors")),
-                               json.loads((folder / f"{name}.json").read_text()))
+    return Stored(folder, name)
+
+
+def state_dict_of(saved) -> dict:
+    """A state_dict from what load_optimizer returned (or a state_dict already)."""
+    return saved.load() if isinstance(saved, Stored) else saved
 
 
 def optimizer_from_flat(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
@@ -235,7 +258,7 @@ def verify(folder: Path) -> None:
 
 
 def load_checkpoint(folder: Path) -> dict:
-    """Verified contents: {'folder', 'model_dir', 'optimizer' (state_dict or None), 'rng', 'state'}.
+    """Verified contents: {'folder', 'model_dir', 'optimizer' (a Stored, or None), 'rng', 'state'}.
     A file that matches the manifest but cannot be read (written corrupt, manifest recomputed)
     is a UserError naming it."""
     verify(folder)
@@ -285,12 +308,12 @@ def resumed_model(model_cfg, state: dict | None):
 def restore(state: dict, run_dir: Path, opt, data, gen: torch.Generator | None = None, load_optimizer=None) -> int:
     """Put optimizer, data position and RNG streams back as they were at the checkpoint, drop
     metrics rows logged after it (those steps are redone), and return its step.
-    load_optimizer(state_dict): how the optimizer takes its state (default opt.load_state_dict)."""
+    load_optimizer(saved): how the optimizer takes its state (a Stored; default opt.load_state_dict)."""
     from regen.runtime import dist
     from regen.runtime.metrics import truncate_after
 
     if state["optimizer"] is not None:
-        (load_optimizer or opt.load_state_dict)(state["optimizer"])
+        (load_optimizer or (lambda saved: opt.load_state_dict(state_dict_of(saved))))(state["optimizer"])
     data.load_state(state["state"]["data"])
     torch.set_rng_state(state["rng"]["torch_cpu"])
     if gen is not None:

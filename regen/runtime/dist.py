@@ -295,10 +295,37 @@ class Dist:
         # a failed write surfaces where the checkpoint is written (an alert, earlier checkpoints kept)
         return Spooled(path, {"param_groups": groups, "scalars": scalars}, error) if self.main else None
 
-    def load_optim_state(self, model: torch.nn.Module, opt: torch.optim.Optimizer, state: dict) -> None:
-        """Load a single-process optimizer state dict (every rank reads it) into a sharded one."""
+    def _load_sharded(self, opt: torch.optim.Optimizer, saved) -> None:
+        """A checkpoint's optimizer state into FSDP2's sharded optimizer one tensor at a time: each
+        rank reads a tensor and keeps its own shard (placed as the parameter's), so the whole state
+        is never in memory (the rehearsal measured 14.5 GiB on a resuming rank 0 of a 0.5B model
+        whose shard is 3.7 GiB). The same as torch's set_optimizer_state_dict with full tensors."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        params = [p for g in opt.param_groups for p in g["params"]]
+        opt.state.clear()
+        for key in sorted(saved.keys, key=lambda k: (int(k.split(".", 1)[0]), k)):
+            i, name = key.split(".", 1)
+            p, full = params[int(i)], saved.tensor(key)
+            if isinstance(p, DTensor) and full.shape == p.shape:  # moments: sharded as their parameter
+                full = distribute_tensor(full.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+            opt.state.setdefault(p, {})[name] = full
+        for key, v in saved.meta["scalars"].items():
+            i, name = key.split(".", 1)
+            opt.state.setdefault(params[int(i)], {})[name] = v
+        for g, sg in zip(opt.param_groups, saved.meta["param_groups"], strict=True):
+            g.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in sg.items() if k != "params"})
+
+    def load_optim_state(self, model: torch.nn.Module, opt: torch.optim.Optimizer, state) -> None:
+        """Load a single-process optimizer state (a state_dict, or a checkpoint's ckpt.Stored, which
+        every rank reads) into this process's optimizer; under FSDP2 each rank takes its shards."""
+        from regen.runtime.checkpoint import Stored, state_dict_of
+
         if not self.sharded:
-            opt.load_state_dict(state)
+            opt.load_state_dict(state_dict_of(state))
+            return
+        if isinstance(state, Stored):
+            self._load_sharded(opt, state)
             return
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
