@@ -72,6 +72,13 @@ def plain_copy(net: torch.nn.Module, weights: dict | None) -> torch.nn.Module:
     """`net` itself, or (weights gathered from FSDP2 shards) an unsharded module of its class with them."""
     if weights is None:
         return net
-    plain = type(net).from_config(net.config)
-    plain.load_state_dict(weights)
+    # built on the meta device and given the gathered tensors themselves: no third full copy of the
+    # weights on rank 0 beside the shards and the gathered state (the rehearsal's 0.6B flow model ran
+    # out of memory there), and no random initialisation to throw away
+    with torch.device("meta"):
+        plain = type(net).from_config(net.config)
+    plain.load_state_dict(weights, assign=True)
+    if any(t.is_meta for t in [*plain.parameters(), *plain.buffers()]):  # a buffer the state dict lacks
+        plain = type(net).from_config(net.config)
+        plain.load_state_dict(weights)
     return plain
