@@ -144,18 +144,23 @@ def test_a_ray_start_that_cannot_place_its_workers_leaves_no_run_behind(base_mod
     assert not run.exists() or not any(run.iterdir())  # so the corrected command just runs
 
 
-def test_a_batch_staler_than_the_bound_is_sampled_again(base_model, tmp_path):
+def rollout_pool(*overrides: str):
+    """(the LM modality, RayRollouts over it) for a config of `overrides`: a trainer's rollout side
+    driven directly by a test."""
     from regen.config import RLConfig, load_config
     from regen.data import EpochSampler, load_prompts
     from regen.modalities.lm import LMModality
     from regen.placement.ray import RayRollouts
     from regen.runtime.dist import Dist
 
-    cfg = load_config(RLConfig, None, [f"model.path={base_model}", *LEARN, *RAY, "distributed.max_staleness=1",
-                                       "train.steps=2"])
+    cfg = load_config(RLConfig, None, list(overrides))
     m = LMModality(cfg, torch.device("cpu"), Dist())
     prompts = load_prompts(cfg.data.train, cfg.task, "data.train", False, cfg.data.columns)
-    pool = RayRollouts(m, EpochSampler(len(prompts), 0), prompts, cfg, version=0)
+    return m, RayRollouts(m, EpochSampler(len(prompts), 0), prompts, cfg, version=0)
+
+
+def test_a_batch_staler_than_the_bound_is_sampled_again(base_model, tmp_path):
+    m, pool = rollout_pool(f"model.path={base_model}", *LEARN, *RAY, "distributed.max_staleness=1", "train.steps=2")
     try:
         gen = torch.Generator().manual_seed(0)
         _, first = pool.next(1, gen)  # version 0; the next batch is requested now, with version 0

@@ -10,7 +10,7 @@ import torch
 
 from regen.cli import main
 from tests.conftest import read_jsonl
-from tests.test_ray import LEARN, RAY, kill_when
+from tests.test_ray import LEARN, RAY, kill_when, rollout_pool
 
 pytestmark = pytest.mark.extended  # multi-process: the CI's second tier (pyproject.toml markers)
 
@@ -50,17 +50,8 @@ def test_an_actor_killed_during_a_sync_is_replaced_and_every_actor_ends_with_the
     """SIGKILL of a rollout actor while the trainer broadcasts (about 17 buckets): the broadcast
     fails, the dead actor is replaced, a new group is built and the sync sent again; both actors
     then sample with exactly the trainer's weights."""
-    from regen.config import RLConfig, load_config
-    from regen.data import EpochSampler, load_prompts
-    from regen.modalities.lm import LMModality
-    from regen.placement.ray import RayRollouts
-    from regen.runtime.dist import Dist
-
-    cfg = load_config(RLConfig, None, [f"model.path={base_model}", *LEARN, *COLLECTIVE, "distributed.sync_bucket_mb=0.05",
-                                       "distributed.sync_changed_only=false"])
-    m = LMModality(cfg, torch.device("cpu"), Dist())
-    prompts = load_prompts(cfg.data.train, cfg.task, "data.train", False, cfg.data.columns)
-    pool = RayRollouts(m, EpochSampler(len(prompts), 0), prompts, cfg, version=0)
+    m, pool = rollout_pool(f"model.path={base_model}", *LEARN, *COLLECTIVE, "distributed.sync_bucket_mb=0.05",
+                           "distributed.sync_changed_only=false")
     try:
         pid = ray.get(pool.workers.actors[0].__ray_call__.remote(lambda self: __import__("os").getpid()))
         with torch.no_grad():
