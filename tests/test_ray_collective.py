@@ -2,13 +2,15 @@
 gloo group of their own and every sync is broadcast over it. The actors sample exactly what one
 process samples, also when an actor is SIGKILLed between syncs or in the middle of one."""
 
-import threading
+import os
+import signal
 import time
 
 import pytest
 import torch
 
 from regen.cli import main
+from regen.placement import collective
 from tests.conftest import read_jsonl
 from tests.test_ray import LEARN, RAY, kill_when, rollout_pool
 
@@ -17,6 +19,23 @@ pytestmark = pytest.mark.extended  # multi-process: the CI's second tier (pyproj
 ray = pytest.importorskip("ray")
 
 COLLECTIVE = [*RAY, "distributed.sync=collective"]
+
+
+real_broadcast = collective.broadcast
+
+
+def dead_within(pid: int, timeout_s: float) -> None:
+    """Until `pid` has exited (gone, or a zombie its parent has not reaped yet)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} still alive {timeout_s} s after SIGKILL")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -46,7 +65,7 @@ def test_a_collective_sync_run_samples_what_one_process_samples_through_a_killed
     assert [r["response_length/mean"] for r in rows] == [r["response_length/mean"] for r in ref]
 
 
-def test_an_actor_killed_during_a_sync_is_replaced_and_every_actor_ends_with_the_sync(base_model, tmp_path):
+def test_an_actor_killed_during_a_sync_is_replaced_and_every_actor_ends_with_the_sync(base_model, monkeypatch):
     """SIGKILL of a rollout actor while the trainer broadcasts (about 17 buckets): the broadcast
     fails, the dead actor is replaced, a new group is built and the sync sent again; both actors
     then sample with exactly the trainer's weights."""
@@ -57,18 +76,21 @@ def test_an_actor_killed_during_a_sync_is_replaced_and_every_actor_ends_with_the
         with torch.no_grad():
             for p in m.policy.model.parameters():
                 p.add_(0.01 * torch.randn_like(p))
-        started = threading.Event()
+        # the SIGKILL at a named moment: after the trainer has broadcast 4 of the buckets (a timer
+        # raced the sync: on a loaded machine the kill landed after it had finished)
+        sent = []
 
-        def kill():
-            started.wait(10)
-            time.sleep(0.02)
-            __import__("os").kill(pid, 9)
+        def broadcast_then_kill(group, buf):
+            if len(sent) == 4:
+                os.kill(pid, signal.SIGKILL)
+                dead_within(pid, 10)
+            sent.append(buf.numel())
+            real_broadcast(group, buf)
 
-        t = threading.Thread(target=kill, daemon=True)
-        t.start()
-        started.set()
+        monkeypatch.setattr(collective, "broadcast", broadcast_then_kill)
         metrics = pool.sync(1)
-        t.join(5)
+        monkeypatch.setattr(collective, "broadcast", real_broadcast)
+        assert len(sent) > 4  # the kill came mid-sync, and the sync was sent again
         assert pool.workers.restarts == 1 and metrics["sync/regroups"] == 1 and metrics["sync/buckets"] >= 10
         gen = torch.Generator().manual_seed(0)
         _, items, plan, refs, _, version = pool._submit(2, gen)
