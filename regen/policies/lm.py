@@ -11,6 +11,7 @@ on-policy first update has a ratio of exactly 1.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from regen.policies.lm_load import (  # noqa: F401  (re-exported: regen.policies
     max_positions,
     resolve_device,
 )
+from regen.policies.lm_packed import packable, packed_group_logits, prompt_mask_4d, takes_masks
 from regen.policies.lm_rollout import LMRollout, concat_rollouts  # noqa: F401  (re-exported)
 from regen.policies.vlm import VisionPrompt, encode, image_args, image_token_ids, is_processor
 from regen.policies.vlm_packed import is_packed, model_positions, rope_positions
@@ -147,8 +149,12 @@ class LMPolicy:
         p_pos = enc.get("position_ids")  # M-RoPE (B, 3, P), else the plain text positions
         if p_pos is None:
             p_pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
-        out = model(input_ids=enc["input_ids"], attention_mask=prompt_mask, position_ids=model_positions(p_pos),
-                    use_cache=True, **image_args(model, enc["input_ids"], vision))
+        # text through one of lm_packed's families: 4D masks handed in, not rebuilt from 2D at every token
+        four = vision is None and enc.get("position_ids") is None and \
+            takes_masks(model, prompt_mask.shape[1] + max_new_tokens)
+        out = model(input_ids=enc["input_ids"], attention_mask=prompt_mask_4d(prompt_mask) if four else prompt_mask,
+                    position_ids=model_positions(p_pos), use_cache=True, **image_args(model, enc["input_ids"], vision),
+                    **_last_logits(model, 1))
         past, logits = _cache_of(out), self.ban(out.logits[:, -1]).repeat_interleave(n, 0)
         past.batch_repeat_interleave(n)
         prompt_ids = enc["input_ids"].repeat_interleave(n, 0)
@@ -161,6 +167,8 @@ class LMPolicy:
         if uniforms is None and not greedy:
             uniforms = torch.rand(B, max_new_tokens, generator=generator, device=generator.device)
         tokens, logps = [], []
+        if four:  # (B, 1, 1, P + max_new_tokens): each decoding step's query sees a prefix of it
+            keys = torch.cat([mask.bool(), mask.new_ones(B, max_new_tokens, dtype=torch.bool)], 1)[:, None, None]
         for t in range(max_new_tokens):
             tok = logits.argmax(-1) if greedy else sample_token(logits, temperature, top_p, uniforms[:, t].to(self.device))
             tok = torch.where(done, torch.full_like(tok, self.pad_id), tok)
@@ -170,9 +178,10 @@ class LMPolicy:
             done = done | torch.isin(tok, stops)
             if t + 1 == max_new_tokens or self.all_done(done):
                 break
-            mask = torch.cat([mask, mask.new_ones(B, 1)], 1)
+            mask = None if four else torch.cat([mask, mask.new_ones(B, 1)], 1)
             out = model(
-                input_ids=tok[:, None], attention_mask=mask, use_cache=True, **{cache_arg: past},
+                input_ids=tok[:, None], attention_mask=keys[..., : P + t + 1] if four else mask, use_cache=True,
+                **{cache_arg: past},
                 position_ids=next_pos[None].expand(3, -1, -1) if rope else next_pos,
             )
             past, logits = _cache_of(out), self.ban(out.logits[:, -1])
@@ -188,7 +197,7 @@ class LMPolicy:
         completions = self.tokenizer.batch_decode(body.tolist(), skip_special_tokens=True)
         return LMRollout(
             input_ids=torch.cat([prompt_ids, response], 1),
-            attention_mask=torch.cat([mask[:, :P], before_eos.long()], 1),
+            attention_mask=torch.cat([prompt_mask.repeat_interleave(n, 0), before_eos.long()], 1),
             response_mask=response_mask,
             finished=finished,
             prompt_width=P,
@@ -225,13 +234,16 @@ class LMPolicy:
 
     def _logprobs(self, model, batch, temperature, with_entropy, group_size, entropy_grad):
         model = self.forward_model if model is self.model else model
-        if group_size > 1:
+        if group_size > 1 and packable(model, batch, group_size):
+            logits = packed_group_logits(model, batch, group_size)  # one forward, each prompt once, no padding
+        elif group_size > 1:
             logits = _shared_prefix_logits(model, batch, group_size)
         else:
+            T = batch.input_ids.shape[1] - batch.prompt_width
             out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                         position_ids=model_positions(batch.position_ids),
-                        **image_args(model, batch.input_ids, batch.vision))
-            logits = out.logits[:, batch.prompt_width - 1 : -1]  # position t predicts token t+1
+                        **image_args(model, batch.input_ids, batch.vision), **_last_logits(model, T + 1))
+            logits = out.logits[:, -(T + 1) : -1]  # position t predicts token t+1
         logp_all = F.log_softmax(self.ban(logits.float()) / temperature, -1)
         logp = logp_all.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)
         entropy = None
@@ -290,7 +302,7 @@ def _shared_prefix_logits(model, batch: LMRollout, n: int) -> torch.Tensor:
         # the prompt, and its image through the vision tower, once per group
         out = model(input_ids=batch.input_ids[rep, :P], attention_mask=batch.attention_mask[rep, :P],
                     position_ids=model_positions(pos[rep][..., :P]), use_cache=L > 1,
-                    **image_args(model, batch.input_ids[rep, :P], batch.vision, rep))
+                    **image_args(model, batch.input_ids[rep, :P], batch.vision, rep), **_last_logits(model, 1))
         # index_select, not logits[inv] / Cache.batch_select_indices: the backward of advanced indexing
         # with repeated indices (index_put_ with accumulate) adds in a thread-dependent order on CPU, so two
         # identical runs at 2 threads drifted apart in the 8th digit; index_select's backward does not
@@ -337,7 +349,22 @@ def _cache_arg(model) -> str:
     """transformers 5.x names the KV cache argument `cache`; 4.x named it `past_key_values`."""
     base = getattr(model, "module", model)  # DDP wraps the model (its forward takes **kwargs)
     base = base.get_base_model() if hasattr(base, "get_base_model") else base  # peft wraps it too
-    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+    return "cache" if "cache" in _forward_params(type(base)) else "past_key_values"
+
+
+def _last_logits(model, k: int) -> dict:
+    """Ask for the logits of the last k positions only, where the model takes `logits_to_keep`
+    (transformers' causal LMs): the LM head over a prompt's other positions is work thrown away,
+    and for a real vocabulary it is a large share of it (Qwen2.5-0.5B: 136M of its 494M
+    parameters are the head). The kept positions' logits are the same numbers."""
+    base = getattr(model, "module", model)
+    base = base.get_base_model() if hasattr(base, "get_base_model") else base
+    return {"logits_to_keep": k} if "logits_to_keep" in _forward_params(type(base)) else {}
+
+
+@functools.cache
+def _forward_params(cls) -> frozenset:
+    return frozenset(inspect.signature(cls.forward).parameters)
 
 
 def _select_cache_rows(cache, rows: torch.Tensor) -> None:
