@@ -12,6 +12,23 @@ import time
 from pathlib import Path
 
 import torch
+from _lm_compute import even_fraction
+
+STAGES = ("sample", "logprobs", "score", "update")  # as bench/grpo_vs_trl.py's REGEN_STAGES
+
+
+def time_calls(obj, name: str, into: list) -> None:
+    """Append the wall time of every call of obj.<name> to `into` (an instance attribute wraps the method)."""
+    method = getattr(obj, name)
+
+    def timed(*args, **kw):
+        t0 = time.perf_counter()
+        try:
+            return method(*args, **kw)
+        finally:
+            into.append(time.perf_counter() - t0)
+
+    setattr(obj, name, timed)
 
 
 def trl_settings(trainer) -> dict:
@@ -28,9 +45,9 @@ def trl_settings(trainer) -> dict:
     }
 
 
-def check_trl(got: dict, spec: dict) -> None:
+def check_trl(got: dict, spec: dict, reward: str) -> None:
     """Stop the benchmark when TRL does not run the settings the table asks for."""
-    funcs = ["exact_match"] + (["soft_overlong_punishment_reward"] if spec["overlong"] else [])
+    funcs = [reward] + (["soft_overlong_punishment_reward"] if spec["overlong"] else [])
     want = {"importance_sampling_level": spec["level"], "epsilon": spec["clip"][0], "epsilon_high": spec["clip"][1],
             "loss_type": spec["loss"], "beta": spec["beta"], "reference_model": spec["beta"] != 0.0,
             "reward_funcs": funcs, "reward_weights": [1.0] * len(funcs), "scale_rewards": "group",
@@ -40,7 +57,7 @@ def check_trl(got: dict, spec: dict) -> None:
         raise RuntimeError(f"TRL settings differ from the table (got, wanted): {bad}")
 
 
-def run_trl(a, spec: dict, base: str, workdir: Path) -> dict:
+def run_trl(a, spec: dict, task: dict, workdir: Path) -> dict:
     from datasets import Dataset
     from transformers import (
         AutoModelForCausalLM,
@@ -55,21 +72,30 @@ def run_trl(a, spec: dict, base: str, workdir: Path) -> dict:
     from regen.data import load_prompts
 
     torch.set_num_threads(a.threads)
-    items = load_prompts("builtin:arithmetic:train", TaskConfig(), "data.train")
-    data = Dataset.from_dict({"prompt": [it.prompt for it in items], "answer": [it.meta["answer"] for it in items]})
-    rec = {"rewards": [], "clock": [], "samples": None, "threads": None, "sizes": set(), "logs": []}
+    items = load_prompts(task["data"], TaskConfig(), "data.train")
+    columns = {"prompt": [it.prompt for it in items]}
+    if task["reward"] == "exact_match":
+        columns["answer"] = [it.meta["answer"] for it in items]
+    data = Dataset.from_dict(columns)
+    rec = {"rewards": [], "clock": [], "samples": None, "threads": None, "sizes": set(), "logs": [],
+           "stages": {k: [] for k in STAGES}, "prep": []}
 
-    def exact_match(completions, answer, **_):
+    def scored(completions, scores, answer):
         if rec["samples"] is None:  # keep a few decoded completions to show what TRL hands the reward
-            rec["samples"] = list(zip(completions[:4], answer[:4]))
+            rec["samples"] = list(zip([c[:40] for c in completions[:4]], answer[:4]))
         rec["sizes"].add(len(completions))
-        scores = [float("".join(c.split()) == str(t)) for c, t in zip(completions, answer)]
-        # The curve compared with regen's reward/exact_match: the task reward alone, without
+        # The curve compared with regen's reward/<task reward>: the task reward alone, without
         # the overlong penalty, so the three algorithms' curves are on one scale.
         rec["rewards"].append(sum(scores) / len(scores))
         return scores
 
-    rewards = [exact_match]
+    def exact_match(completions, answer, **_):
+        return scored(completions, [float("".join(c.split()) == str(t)) for c, t in zip(completions, answer)], answer)
+
+    def even_words(completions, **_):
+        return scored(completions, [even_fraction(c) for c in completions], [None] * len(completions))
+
+    rewards = [exact_match if task["reward"] == "exact_match" else even_words]
     if spec["overlong"]:
         # TRL's own DAPO eq. 13 (factor 1), summed with the task reward before the group
         # normalisation, as regen adds algorithm.overlong's penalty. Both count the completion's
@@ -100,13 +126,18 @@ def run_trl(a, spec: dict, base: str, workdir: Path) -> dict:
         gradient_checkpointing=a.trl_gradient_checkpointing, bf16=False, log_completions=False,
         dataloader_num_workers=0,
     )
-    tok = AutoTokenizer.from_pretrained(base, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(task["base"], padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(task["base"], dtype=torch.float32)
     trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=args, train_dataset=data,
                           processing_class=tok, callbacks=[Clock()])
+    # stage timers on the trainer's own methods: sampling, scoring, and the whole batch preparation
+    # (what it spends there besides those two is the old / reference log-probs)
+    time_calls(trainer, "_generate", rec["stages"]["sample"])
+    time_calls(trainer, "_calculate_rewards", rec["stages"]["score"])
+    time_calls(trainer, "_generate_and_score_completions", rec["prep"])
     trainer.remove_callback(PrinterCallback)  # the per-step log dicts would flood stdout
     resolved = trl_settings(trainer)
-    check_trl(resolved, spec)
+    check_trl(resolved, spec, task["reward"])
     t0 = time.perf_counter()
     trainer.train()
     call_s = time.perf_counter() - t0
@@ -123,5 +154,9 @@ def run_trl(a, spec: dict, base: str, workdir: Path) -> dict:
     # fraction of clipped tokens / sequences, the KL (logged only with beta > 0).
     resolved["observed"] = {"overlong_penalty": mean("rewards/soft_overlong_punishment_reward/mean"),
                             "clip_frac": mean("clip_ratio/region_mean"), "kl": mean("kl")}
+    st = rec["stages"]
+    st["logprobs"] = [p - g - r for p, g, r in zip(rec["prep"], st["sample"], st["score"])]
+    st["update"] = [t1 - t0 - p for t0, t1, p in zip([0.0] + rec["clock"], rec["clock"], rec["prep"])]
     return {"rewards": rec["rewards"], "clock": rec["clock"], "train_s": rec["clock"][-1], "call_s": call_s,
+            "stages": {k: st[k] for k in STAGES}, "length": mean("completions/mean_length"),
             "threads": rec["threads"], "sample_completions": rec["samples"], "resolved": resolved}

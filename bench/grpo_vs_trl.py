@@ -1,14 +1,23 @@
-"""regen vs TRL GRPOTrainer for GRPO, DAPO and GSPO: same tiny model, task and settings, one process.
+"""regen vs TRL GRPOTrainer for GRPO, DAPO and GSPO: same model, task and settings, one process.
 
-Measures, for each trainer and algorithm (--algo), on the built-in arithmetic task ("a+b=" ->
-the sum) and the character-level GPT-2 of `regen.tasks.arithmetic`:
+Two configurations (--config):
+  tiny     the built-in arithmetic task ("a+b=" -> the sum) and the 0.4M-parameter character-level
+           GPT-2 of `regen.tasks.arithmetic` after a short SFT: per-call overhead dominates;
+  compute  a random-init GPT-2 of 8 layers x 512 (bench/_lm_compute.py), prompts of 64 tokens
+           shared by each group of 8, completions of 32 tokens, a dense reward: the model's
+           forward and backward passes dominate.
+
+Measures, for each trainer and algorithm (--algo):
 
   * completions per second = completions trained / training wall-clock (model loading,
     reference copy and trainer construction excluded; see "clock" below);
   * the median step time of each, and the ratio regen / TRL of both throughput figures
     (with --rounds N the two trainers alternate N times; each one's median round is reported);
-  * the wall-clock each needs until its 10-step moving average of the per-step exact-match
-    reward first reaches a common target (default: the lower of the two final moving averages).
+  * the wall-clock each needs until its 10-step moving average of the per-step task reward
+    first reaches a common target (default: the lower of the two final moving averages; tiny only);
+  * each stage's share of the step (sample, old / reference log-probs, score, update) and the
+    model FLOPs utilisation (MFU) of each trainer against this machine's fp32 matmul peak,
+    measured by a probe in the same run (bench/_lm_compute.py: what is counted).
 
 The per-algorithm settings of both trainers live in ALGOS below, and each run checks that the
 trainer resolved them as asked (regen's config, TRL's trainer attributes) before it starts.
@@ -22,6 +31,7 @@ log-probs, update, TRL's own per-step logging); the whole `trainer.train()` call
 Run (from the repository root, with the project's virtualenv active):
 
     python bench/grpo_vs_trl.py                      # GRPO; builds a 1500-step SFT base first
+    python bench/grpo_vs_trl.py --config compute     # GRPO and GSPO at 8 x 512, 64 + 32 tokens
     python bench/grpo_vs_trl.py --algo all --base runs/sft/export --out /tmp/grpo_vs_trl.json
 """
 
@@ -38,8 +48,15 @@ from itertools import accumulate
 from pathlib import Path
 
 import torch
+from _lm_compute import build as build_compute
+from _lm_compute import matmul_peak, model_shape, step_flops
 
 WINDOW = 10  # moving-average window of the per-step mean reward
+# each trainer's step split into the same stages (TRL's from timers on its methods: _trl_common.py)
+REGEN_STAGES = {"sample": "sample", "logprobs": "logprob", "score": "score", "update": "update"}
+# settings whose default depends on --config (tiny, compute)
+CONFIG_DEFAULTS = {"algo": ("grpo", "grpo,gspo"), "steps": (150, 12), "rounds": (3, 2), "max_len": (8, 32),
+                   "lr": (5e-5, 1e-5)}
 
 # Per-algorithm settings, the one place both trainers read them from.
 #   name      regen algorithm.name
@@ -89,7 +106,34 @@ def build_base(workdir: Path, steps: int, threads: int, seed: int) -> str:
     return sft(cfg)["export"]
 
 
-def run_regen(a, spec: dict, base: str, workdir: Path) -> dict:
+def make_task(a, work: Path) -> dict:
+    """What both trainers train on in --config: base model folder, prompts, the reward's name,
+    regen's overrides for them, and the figures MFU needs (model shape, mean prompt tokens)."""
+    from transformers import AutoTokenizer
+
+    from regen.config import TaskConfig
+    from regen.data import load_prompts
+
+    if a.config == "tiny":
+        base = a.base
+        if base is None:
+            t0 = time.perf_counter()
+            base = build_base(work, a.sft_steps, a.threads, a.seed)
+            print(f"built SFT base ({a.sft_steps} steps) in {time.perf_counter() - t0:.0f} s")
+        task = {"base": base, "data": "builtin:arithmetic:train", "reward": "exact_match", "reward_key": "exact_match",
+                "regen": []}
+    else:
+        base, data = build_compute(work, a.layers, a.width, a.seed)
+        task = {"base": base, "data": data, "reward": "even_words", "reward_key": "_lm_compute:even_words",
+                "regen": [f"data.train={data}", "reward=[{name: '_lm_compute:even_words'}]"]}
+    tok = AutoTokenizer.from_pretrained(task["base"])
+    prompts = [it.prompt for it in load_prompts(task["data"], TaskConfig(), "data.train")]
+    task["prompt_len"] = sum(len(tok(p)["input_ids"]) for p in prompts) / len(prompts)
+    task["shape"] = model_shape(task["base"])
+    return task
+
+
+def run_regen(a, spec: dict, task: dict, workdir: Path) -> dict:
     from regen.config import RLConfig, load_config
     from regen.runtime.metrics import read_metrics
     from regen.train import train
@@ -107,7 +151,7 @@ def run_regen(a, spec: dict, base: str, workdir: Path) -> dict:
         algo.append(f"algorithm.overlong={{max_len: {spec['overlong'][0]}, cache_len: {spec['overlong'][1]}, "
                     "factor: 1.0}")
     cfg = load_config(RLConfig, None, [
-        f"model.path={base}", f"run.dir={run_dir}", "run.overwrite=true", f"run.threads={a.threads}",
+        *task["regen"], f"model.path={task['base']}", f"run.dir={run_dir}", "run.overwrite=true", f"run.threads={a.threads}",
         f"run.seed={a.seed}", f"rollout.global_batch_size={a.batch}", f"rollout.group_size={a.group}",
         f"rollout.max_new_tokens={a.max_len}", f"rollout.temperature={a.temperature}", f"train.steps={a.steps}",
         f"train.global_minibatch_size={a.batch}", f"optim.lr={a.lr}", *algo, "data.eval=null",
@@ -143,8 +187,10 @@ def run_regen(a, spec: dict, base: str, workdir: Path) -> dict:
     # Logged evidence that the settings act (None: not logged, i.e. off).
     resolved["observed"] = {"overlong_penalty": mean("reward/overlong_penalty"), "clip_frac": mean("clip_frac"),
                             "kl": mean("kl"), "dynamic_extra_rounds": mean("dynamic/extra_rounds")}
-    # reward/exact_match, not reward/mean: the latter includes the overlong penalty under DAPO.
-    return {"rewards": [r["reward/exact_match"] for r in rows], "clock": list(accumulate(step_s)),
+    # the task reward, not reward/mean: the latter includes the overlong penalty under DAPO.
+    stages = {stage: [r.get(f"time/{key}_s", 0.0) for r in rows] for stage, key in REGEN_STAGES.items()}
+    return {"rewards": [r[f"reward/{task['reward_key']}"] for r in rows], "clock": list(accumulate(step_s)),
+            "stages": stages, "length": mean("response_length/mean"),
             "train_s": sum(step_s), "call_s": call_s, "threads": torch.get_num_threads(),
             "extra_rounds": sum(r.get("dynamic/extra_rounds", 0.0) for r in rows), "resolved": resolved}
 
@@ -181,24 +227,43 @@ def summarize(runs: list[dict], completions: int) -> dict:
            "median_step_ms": 1000 * steps[len(steps) // 2], "train_s": r["train_s"], "call_s": r["call_s"],
            "threads": r["threads"], "rewards": r["rewards"], "clock": r["clock"],
            "moving_avg": moving_average(r["rewards"]), "rounds_completions_per_s": cps,
-           "same_rewards_every_round": all(x["rewards"] == r["rewards"] for x in runs)}
+           "same_rewards_every_round": all(x["rewards"] == r["rewards"] for x in runs),
+           "completion_len": r["length"],
+           # share of the summed step time each stage took (what is left: the loop's own books)
+           "stage_share": {k: sum(v) / r["train_s"] for k, v in r["stages"].items()}}
     if r.get("extra_rounds"):  # dynamic sampling: each extra round samples one more batch
         n_steps = len(r["clock"])
         out["generated_completions_per_s"] = completions * (n_steps + r["extra_rounds"]) / n_steps / r["train_s"]
     return out
 
 
-def compare(a, spec: dict, runs: dict[str, list[dict]]) -> dict:
-    """One algorithm's figures: each side's summary, the ratios and the time to a common target."""
+def compare(a, spec: dict, runs: dict[str, list[dict]], task: dict, peak: float) -> dict:
+    """One algorithm's figures: each side's summary, MFU, the ratios and the time to a common target."""
     res = {"settings": {"table": {k: v for k, v in spec.items() if k != "algo"},
                         **{side: rs[0]["resolved"] for side, rs in runs.items()}}}
     res |= {side: summarize(rs, a.batch * a.steps) for side, rs in runs.items()}
-    if "trl" not in runs:  # regen only (dynamic sampling): its batch reward is over the kept groups alone
-        return res
+    # one FLOP count for both trainers (the mean completion length both generated): MFU ratios are speed ratios
+    length = sum(res[side]["completion_len"] for side in runs) / len(runs)
+    res["flops_per_step"] = step_flops(task["shape"], a.batch, task["prompt_len"], length, spec["beta"] > 0)
+    for side in runs:
+        res[side]["mfu"] = res["flops_per_step"] / (res[side]["median_step_ms"] / 1000) / peak
+    # what regen executes: each group's prompt once (sampling, reference and update); TRL runs every copy
+    res["regen_executed_flops_per_step"] = step_flops(task["shape"], a.batch, task["prompt_len"], length,
+                                                      spec["beta"] > 0, a.group)
+    res["regen"]["mfu_executed"] = res["regen_executed_flops_per_step"] / (res["regen"]["median_step_ms"] / 1000) / peak
+    if "trl" in res:
+        res["trl"]["mfu_executed"] = res["trl"]["mfu"]
+    if "trl" not in runs or a.config == "compute":  # regen only (dynamic sampling): its batch reward is over
+        # the kept groups alone; compute: a random-init model, no target to reach
+        return ratios(res) if "trl" in runs else res
     target = a.target if a.target is not None else min(res[s]["moving_avg"][-1] for s in ("regen", "trl"))
     for s in ("regen", "trl"):
         res[s]["target_step"], res[s]["target_s"] = time_to_target(res[s]["moving_avg"], res[s]["clock"], target)
     res["target"] = target
+    return ratios(res)
+
+
+def ratios(res: dict) -> dict:
     res["ratio_regen_over_trl"] = res["regen"]["completions_per_s"] / res["trl"]["completions_per_s"]
     res["ratio_per_round"] = [x / y for x, y in zip(res["regen"]["rounds_completions_per_s"],
                                                     res["trl"]["rounds_completions_per_s"])]
@@ -244,22 +309,43 @@ def report(results: dict, settings: dict, load: list, trl_samples) -> None:
         per_round = "(" + ", ".join(f"{x:.2f}" for x in res["ratio_per_round"]) + ")"
         print(f"{algo:<10}{g['completions_per_s']:>14.0f}{t['completions_per_s']:>12.0f}"
               f"{res['ratio_regen_over_trl']:>7.2f}x  {per_round:<20}{g['median_step_ms']:>9.1f}"
-              f"{t['median_step_ms']:>8.1f}{res['ratio_from_median_steps']:>13.2f}x{res['target']:>8.3f}")
+              f"{t['median_step_ms']:>8.1f}{res['ratio_from_median_steps']:>13.2f}x"
+              + (f"{res['target']:>8.3f}" if "target" in res else f"{'-':>8}"))
+    print(f"\nshare of the step per stage (median round), mean completion tokens, MFU against the matmul peak of "
+          f"{settings['matmul_peak_gflops']:.1f} GFLOP/s ({settings['threads']} threads): of the model FLOPs "
+          "(every completion its own sequence) and of the FLOPs each executes (regen: each prompt once per group)")
+    print(f"{'':<15}" + "".join(f"{k:>10}" for k in REGEN_STAGES)
+          + f"{'tokens':>8}{'GFLOP/step':>12}{'MFU':>8}{'executed GFLOP':>16}{'its MFU':>9}")
+    for algo, res in results.items():
+        for side in ("regen", "trl"):
+            if side in res:
+                r = res[side]
+                ex = res["regen_executed_flops_per_step"] if side == "regen" else res["flops_per_step"]
+                print(f"{algo + ' ' + side:<15}" + "".join(f"{r['stage_share'][k]:>10.0%}" for k in REGEN_STAGES)
+                      + f"{r['completion_len']:>8.1f}{res['flops_per_step'] / 1e9:>12.2f}{r['mfu']:>8.1%}"
+                      + f"{ex / 1e9:>16.2f}{r['mfu_executed']:>9.1%}")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--algo", default="grpo",
-                   help=f"comma-separated rows of ALGOS ({', '.join(ALGOS)}) or 'all' (every row); "
-                        "dapo-dyn is DAPO with dynamic sampling, regen only")
-    p.add_argument("--base", help="SFT export folder to start from (default: build one with --sft-steps)")
+    p.add_argument("--config", choices=("tiny", "compute"), default="tiny",
+                   help="tiny: the 0.4M arithmetic GPT-2 after SFT (per-call overhead); compute: a random-init "
+                        "GPT-2 of --layers x --width, 64-token prompts, 32-token completions (the model's compute)")
+    p.add_argument("--algo", help=f"comma-separated rows of ALGOS ({', '.join(ALGOS)}) or 'all' (every row); "
+                                  "dapo-dyn is DAPO with dynamic sampling, regen only (default: tiny grpo, "
+                                  "compute grpo,gspo)")
+    p.add_argument("--base", help="tiny: SFT export folder to start from (default: build one with --sft-steps)")
     p.add_argument("--sft-steps", type=int, default=1500)
-    p.add_argument("--steps", type=int, default=150)
-    p.add_argument("--rounds", type=int, default=3, help="alternate regen/TRL runs this many times; report medians")
+    p.add_argument("--layers", type=int, default=8, help="compute: GPT-2 layers")
+    p.add_argument("--width", type=int, default=512, help="compute: GPT-2 width (8 heads)")
+    p.add_argument("--steps", type=int, help="steps per run (default: tiny 150, compute 12)")
+    p.add_argument("--rounds", type=int, help="alternate regen/TRL runs this many times; report medians "
+                                              "(default: tiny 3, compute 2)")
     p.add_argument("--batch", type=int, default=32, help="completions per step (= per optimizer step)")
     p.add_argument("--group", type=int, default=8)
-    p.add_argument("--max-len", type=int, default=8, help="max completion tokens (EOS included); DAPO's L_max")
-    p.add_argument("--lr", type=float, default=5e-5)
+    p.add_argument("--max-len", type=int, help="max completion tokens (EOS included); DAPO's L_max "
+                                               "(default: tiny 8, compute 32)")
+    p.add_argument("--lr", type=float, help="learning rate (default: tiny 5e-5, compute 1e-5)")
     p.add_argument("--beta", type=float, help="KL coefficient (k3) for every algorithm run (default: ALGOS', "
                    "grpo 0.04, dapo and gspo 0)")
     p.add_argument("--temperature", type=float, default=1.0)
@@ -272,6 +358,11 @@ def main() -> None:
     p.add_argument("--target", type=float, help="reward target (default: lower final 10-step moving average)")
     p.add_argument("--out", help="write the figures as JSON here")
     a = p.parse_args()
+    for key, defaults in CONFIG_DEFAULTS.items():
+        if getattr(a, key) is None:
+            setattr(a, key, defaults[a.config == "compute"])
+    if a.config == "compute" and a.base:
+        p.error("--base is the tiny configuration's SFT base; compute builds its own random-init model")
     algos = list(ALGOS) if a.algo == "all" else a.algo.split(",")
     if unknown := [x for x in algos if x not in ALGOS]:
         p.error(f"--algo: unknown {unknown}; known: {', '.join(ALGOS)}, all")
@@ -292,11 +383,7 @@ def main() -> None:
     runs = {algo: {"regen": []} | ({} if spec["dynamic"] else {"trl": []}) for algo, spec in specs.items()}
     with tempfile.TemporaryDirectory(prefix="grpo_vs_trl_") as tmp:
         work = Path(tmp)
-        base = a.base
-        if base is None:
-            t0 = time.perf_counter()
-            base = build_base(work, a.sft_steps, a.threads, a.seed)
-            print(f"built SFT base ({a.sft_steps} steps) in {time.perf_counter() - t0:.0f} s")
+        task = make_task(a, work)
         load.append(round(os.getloadavg()[0], 2))
         # Rounds outside, algorithms inside: a drift in the machine's speed hits every algorithm
         # alike. regen first in even rounds, TRL first in odd ones.
@@ -304,14 +391,18 @@ def main() -> None:
             for algo, spec in specs.items():
                 for side in list(runs[algo])[:: 1 if i % 2 == 0 else -1]:
                     run = run_regen if side == "regen" else run_trl
-                    runs[algo][side].append(run(a, spec, base, work / f"{algo}-{side}{i}"))
+                    runs[algo][side].append(run(a, spec, task, work / f"{algo}-{side}{i}"))
         load.append(round(os.getloadavg()[0], 2))
 
-    results = {algo: compare(a, specs[algo], rs) for algo, rs in runs.items()}
-    settings = {k: getattr(a, k) for k in ("algo", "steps", "rounds", "batch", "group", "max_len", "lr", "beta",
+        peak = matmul_peak(a.threads)  # the roof, measured right after the runs on the same threads
+    results = {algo: compare(a, specs[algo], rs, task, peak) for algo, rs in runs.items()}
+    settings = {k: getattr(a, k) for k in ("config", "algo", "steps", "rounds", "batch", "group", "max_len", "lr", "beta",
                                            "temperature", "threads", "seed", "trl_loss",
                                            "trl_gradient_checkpointing")}
-    settings["base"] = a.base or f"fresh SFT, {a.sft_steps} steps"
+    settings["base"] = (f"random init GPT-2 {a.layers} x {a.width}" if a.config == "compute"
+                        else a.base or f"fresh SFT, {a.sft_steps} steps")
+    settings |= {"config": a.config, "matmul_peak_gflops": peak / 1e9, "prompt_len": task["prompt_len"],
+                 "matmul_params": task["shape"]["matmul_params"]}
     settings["regen_git"] = git_state()
     settings["threads_seen"] = {f"{algo} {side}": rs[0]["threads"] for algo, r in runs.items() for side, rs in r.items()}
     trl_samples = next((r["trl"][0]["sample_completions"] for r in runs.values() if "trl" in r), None)
