@@ -152,11 +152,17 @@ class LMPolicy:
         # text through one of lm_packed's families: 4D masks handed in, not rebuilt from 2D at every token
         four = vision is None and enc.get("position_ids") is None and \
             takes_masks(model, prompt_mask.shape[1] + max_new_tokens)
-        out = model(input_ids=enc["input_ids"], attention_mask=prompt_mask_4d(prompt_mask) if four else prompt_mask,
-                    position_ids=model_positions(p_pos), use_cache=True, **image_args(model, enc["input_ids"], vision),
-                    **_last_logits(model, 1))
-        past, logits = _cache_of(out), self.ban(out.logits[:, -1]).repeat_interleave(n, 0)
-        past.batch_repeat_interleave(n)
+        # the model's calls run in inference mode (no autograd bookkeeping: ~5% of a small model's
+        # sampling time); what leaves them is computed on outside it, so nothing returned is an
+        # inference tensor (those could not be saved for the update's backward)
+        quiet = _inference_mode(model)
+        with quiet():
+            out = model(input_ids=enc["input_ids"], attention_mask=prompt_mask_4d(prompt_mask) if four else prompt_mask,
+                        position_ids=model_positions(p_pos), use_cache=True,
+                        **image_args(model, enc["input_ids"], vision), **_last_logits(model, 1))
+            past = _cache_of(out)
+            past.batch_repeat_interleave(n)
+        logits = self.ban(out.logits[:, -1]).repeat_interleave(n, 0)
         prompt_ids = enc["input_ids"].repeat_interleave(n, 0)
         mask = prompt_mask.repeat_interleave(n, 0)
         B, P = prompt_ids.shape
@@ -179,11 +185,12 @@ class LMPolicy:
             if t + 1 == max_new_tokens or self.all_done(done):
                 break
             mask = None if four else torch.cat([mask, mask.new_ones(B, 1)], 1)
-            out = model(
-                input_ids=tok[:, None], attention_mask=keys[..., : P + t + 1] if four else mask, use_cache=True,
-                **{cache_arg: past},
-                position_ids=next_pos[None].expand(3, -1, -1) if rope else next_pos,
-            )
+            with quiet():
+                out = model(
+                    input_ids=tok[:, None], attention_mask=keys[..., : P + t + 1] if four else mask, use_cache=True,
+                    **{cache_arg: past},
+                    position_ids=next_pos[None].expand(3, -1, -1) if rope else next_pos,
+                )
             past, logits = _cache_of(out), self.ban(out.logits[:, -1])
             next_pos = next_pos + 1
         model.train(was_training)
@@ -350,6 +357,14 @@ def _cache_arg(model) -> str:
     base = getattr(model, "module", model)  # DDP wraps the model (its forward takes **kwargs)
     base = base.get_base_model() if hasattr(base, "get_base_model") else base  # peft wraps it too
     return "cache" if "cache" in _forward_params(type(base)) else "past_key_values"
+
+
+def _inference_mode(model):
+    """torch.inference_mode, except for an FSDP2-sharded model: its hooks update their own buffers
+    in place later, outside inference mode, which inference tensors do not allow."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return torch.no_grad if isinstance(model, FSDPModule) else torch.inference_mode
 
 
 def _last_logits(model, k: int) -> dict:
