@@ -25,7 +25,7 @@ VOCAB, PROMPT_WORDS, N_PROMPTS = 4096, 64, 512
 def even_fraction(text: str) -> float:
     """Fraction of `text`'s words that are an even-numbered word (0 for no words)."""
     words = text.split()
-    return sum(w[1:].isdigit() and int(w[1:]) % 2 == 0 for w in words) / len(words) if words else 0.0
+    return sum(w[:1] == "w" and w[1:].isdigit() and int(w[1:]) % 2 == 0 for w in words) / len(words) if words else 0.0
 
 
 def even_words(samples, **kw) -> list[float]:
