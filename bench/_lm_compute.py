@@ -1,5 +1,6 @@
-"""The compute-bound configuration of bench/grpo_vs_trl.py (--config compute), and the FLOP
-count and matmul probe both configurations use for model FLOPs utilisation (MFU).
+"""What bench/grpo_vs_trl.py trains on in each --config (make_task), the compute-bound
+configuration's model, prompts and reward, and the FLOP count and matmul probe both
+configurations use for model FLOPs utilisation (MFU).
 
 The task: a random-init GPT-2 (the real transformers class; 8 layers x 512 wide, 8 heads) over a
 word-level vocabulary of 4096 words "w0".."w4095", prompts of 64 random words shared by each
@@ -28,11 +29,9 @@ def even_fraction(text: str) -> float:
     return sum(w[:1] == "w" and w[1:].isdigit() and int(w[1:]) % 2 == 0 for w in words) / len(words) if words else 0.0
 
 
-def even_words(samples, **kw) -> list[float]:
+def even_words(samples) -> list[float]:
     """regen's reward (reward name `_lm_compute:even_words`; bench/ is on sys.path when the
     benchmark runs as a script)."""
-    if kw:
-        raise TypeError(f"even_words takes no arguments, got {sorted(kw)}")
     return [even_fraction(s.completion) for s in samples]
 
 
@@ -51,6 +50,44 @@ def build(workdir: Path, layers: int, width: int, seed: int) -> tuple[str, str]:
         for _ in range(N_PROMPTS):
             f.write(json.dumps({"prompt": " ".join(f"w{rng.randrange(VOCAB)}" for _ in range(PROMPT_WORDS))}) + "\n")
     return str(folder), str(data)
+
+
+def build_base(workdir: Path, steps: int, threads: int, seed: int) -> str:
+    from regen.config import SFTConfig, load_config
+    from regen.offline.sft import sft
+
+    cfg = load_config(SFTConfig, None, [
+        "model.init=arith-char-gpt2", f"run.dir={workdir / 'sft'}", f"sft.steps={steps}", "run.overwrite=true",
+        "log.progress=none", "log.tensorboard=false", f"run.threads={threads}", f"run.seed={seed}",
+    ])
+    return sft(cfg)["export"]
+
+
+def make_task(a, work: Path) -> dict:
+    """What both trainers train on in --config: base model folder, prompts, the reward's name,
+    regen's overrides for them, and the figures MFU needs (model shape, mean prompt tokens)."""
+    from transformers import AutoTokenizer
+
+    from regen.config import TaskConfig
+    from regen.data import load_prompts
+
+    if a.config == "tiny":
+        base = a.base
+        if base is None:
+            t0 = time.perf_counter()
+            base = build_base(work, a.sft_steps, a.threads, a.seed)
+            print(f"built SFT base ({a.sft_steps} steps) in {time.perf_counter() - t0:.0f} s")
+        task = {"base": base, "data": "builtin:arithmetic:train", "reward": "exact_match", "reward_key": "exact_match",
+                "regen": []}
+    else:
+        base, data = build(work, a.layers, a.width, a.seed)
+        task = {"base": base, "data": data, "reward": "even_words", "reward_key": "_lm_compute:even_words",
+                "regen": [f"data.train={data}", "reward=[{name: '_lm_compute:even_words'}]"]}
+    tok = AutoTokenizer.from_pretrained(task["base"])
+    prompts = [it.prompt for it in load_prompts(task["data"], TaskConfig(), "data.train")]
+    task["prompt_len"] = sum(len(tok(p)["input_ids"]) for p in prompts) / len(prompts)
+    task["shape"] = model_shape(task["base"])
+    return task
 
 
 def matmul_peak(threads: int, n: int = 1024, seconds: float = 2.0) -> float:

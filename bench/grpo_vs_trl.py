@@ -48,8 +48,7 @@ from itertools import accumulate
 from pathlib import Path
 
 import torch
-from _lm_compute import build as build_compute
-from _lm_compute import matmul_peak, model_shape, step_flops
+from _lm_compute import make_task, matmul_peak, step_flops
 
 WINDOW = 10  # moving-average window of the per-step mean reward
 # each trainer's step split into the same stages (TRL's from timers on its methods: _trl_common.py)
@@ -93,44 +92,6 @@ def resolve(a, algo: str) -> dict:
     spec["loss_agg"] = LOSS_AGG[spec["loss"]]
     spec["overlong"] = (a.max_len, max(1, a.max_len // 2)) if spec["overlong"] else None
     return spec
-
-
-def build_base(workdir: Path, steps: int, threads: int, seed: int) -> str:
-    from regen.config import SFTConfig, load_config
-    from regen.offline.sft import sft
-
-    cfg = load_config(SFTConfig, None, [
-        "model.init=arith-char-gpt2", f"run.dir={workdir / 'sft'}", f"sft.steps={steps}", "run.overwrite=true",
-        "log.progress=none", "log.tensorboard=false", f"run.threads={threads}", f"run.seed={seed}",
-    ])
-    return sft(cfg)["export"]
-
-
-def make_task(a, work: Path) -> dict:
-    """What both trainers train on in --config: base model folder, prompts, the reward's name,
-    regen's overrides for them, and the figures MFU needs (model shape, mean prompt tokens)."""
-    from transformers import AutoTokenizer
-
-    from regen.config import TaskConfig
-    from regen.data import load_prompts
-
-    if a.config == "tiny":
-        base = a.base
-        if base is None:
-            t0 = time.perf_counter()
-            base = build_base(work, a.sft_steps, a.threads, a.seed)
-            print(f"built SFT base ({a.sft_steps} steps) in {time.perf_counter() - t0:.0f} s")
-        task = {"base": base, "data": "builtin:arithmetic:train", "reward": "exact_match", "reward_key": "exact_match",
-                "regen": []}
-    else:
-        base, data = build_compute(work, a.layers, a.width, a.seed)
-        task = {"base": base, "data": data, "reward": "even_words", "reward_key": "_lm_compute:even_words",
-                "regen": [f"data.train={data}", "reward=[{name: '_lm_compute:even_words'}]"]}
-    tok = AutoTokenizer.from_pretrained(task["base"])
-    prompts = [it.prompt for it in load_prompts(task["data"], TaskConfig(), "data.train")]
-    task["prompt_len"] = sum(len(tok(p)["input_ids"]) for p in prompts) / len(prompts)
-    task["shape"] = model_shape(task["base"])
-    return task
 
 
 def run_regen(a, spec: dict, task: dict, workdir: Path) -> dict:

@@ -29,7 +29,7 @@ from regen.policies.lm_load import (  # noqa: F401  (re-exported: regen.policies
 from regen.policies.lm_packed import packable, packed_group_logits, prompt_mask_4d, takes_masks
 from regen.policies.lm_rollout import LMRollout, concat_rollouts  # noqa: F401  (re-exported)
 from regen.policies.vlm import VisionPrompt, encode, image_args, image_token_ids, is_processor
-from regen.policies.vlm_packed import is_packed, model_positions, rope_positions
+from regen.policies.vlm_packed import base_model, is_packed, model_positions, rope_positions
 
 
 def stop_ids(model, tokenizer, extra: list[str] = ()) -> list[int]:
@@ -354,9 +354,7 @@ def _length_buckets(lengths: torch.Tensor) -> list[torch.Tensor]:
 
 def _cache_arg(model) -> str:
     """transformers 5.x names the KV cache argument `cache`; 4.x named it `past_key_values`."""
-    base = getattr(model, "module", model)  # DDP wraps the model (its forward takes **kwargs)
-    base = base.get_base_model() if hasattr(base, "get_base_model") else base  # peft wraps it too
-    return "cache" if "cache" in _forward_params(type(base)) else "past_key_values"
+    return "cache" if "cache" in _forward_params(type(base_model(model))) else "past_key_values"
 
 
 def _inference_mode(model):
@@ -372,9 +370,7 @@ def _last_logits(model, k: int) -> dict:
     (transformers' causal LMs): the LM head over a prompt's other positions is work thrown away,
     and for a real vocabulary it is a large share of it (Qwen2.5-0.5B: 136M of its 494M
     parameters are the head). The kept positions' logits are the same numbers."""
-    base = getattr(model, "module", model)
-    base = base.get_base_model() if hasattr(base, "get_base_model") else base
-    return {"logits_to_keep": k} if "logits_to_keep" in _forward_params(type(base)) else {}
+    return {"logits_to_keep": k} if "logits_to_keep" in _forward_params(type(base_model(model))) else {}
 
 
 @functools.cache

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from regen.policies.lm_rollout import LMRollout
+from regen.policies.vlm_packed import base_model
 
 # Decoder-only families whose forward reads the attention mask only to build the causal mask (a 4D
 # mask passes through unchanged) and takes explicit position ids; tested in tests/test_lm_packed.py.
@@ -37,9 +38,7 @@ MAX_WASTE = 0.1
 
 
 def _config(model):
-    base = getattr(model, "module", model)  # DDP
-    base = base.get_base_model() if hasattr(base, "get_base_model") else base  # peft
-    return base.config
+    return base_model(model).config
 
 
 def takes_masks(model, context: int) -> bool:
