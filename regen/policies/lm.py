@@ -11,8 +11,6 @@ on-policy first update has a ratio of exactly 1.
 from __future__ import annotations
 
 import copy
-import functools
-import inspect
 from pathlib import Path
 
 import torch
@@ -26,7 +24,15 @@ from regen.policies.lm_load import (  # noqa: F401  (re-exported: regen.policies
     max_positions,
     resolve_device,
 )
-from regen.policies.lm_packed import packable, packed_group_logits, prompt_mask_4d, takes_masks
+from regen.policies.lm_packed import (
+    forward_params,
+    inference_mode_for,
+    last_logits,
+    packable,
+    packed_group_logits,
+    prompt_mask_4d,
+    takes_masks,
+)
 from regen.policies.lm_rollout import LMRollout, concat_rollouts  # noqa: F401  (re-exported)
 from regen.policies.vlm import VisionPrompt, encode, image_args, image_token_ids, is_processor
 from regen.policies.vlm_packed import base_model, is_packed, model_positions, rope_positions
@@ -155,11 +161,11 @@ class LMPolicy:
         # the model's calls run in inference mode (no autograd bookkeeping: ~5% of a small model's
         # sampling time); what leaves them is computed on outside it, so nothing returned is an
         # inference tensor (those could not be saved for the update's backward)
-        quiet = _inference_mode(model)
+        quiet = inference_mode_for(model)
         with quiet():
             out = model(input_ids=enc["input_ids"], attention_mask=prompt_mask_4d(prompt_mask) if four else prompt_mask,
                         position_ids=model_positions(p_pos), use_cache=True,
-                        **image_args(model, enc["input_ids"], vision), **_last_logits(model, 1))
+                        **image_args(model, enc["input_ids"], vision), **last_logits(model, 1))
             past = _cache_of(out)
             past.batch_repeat_interleave(n)
         logits = self.ban(out.logits[:, -1]).repeat_interleave(n, 0)
@@ -249,7 +255,7 @@ class LMPolicy:
             T = batch.input_ids.shape[1] - batch.prompt_width
             out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                         position_ids=model_positions(batch.position_ids),
-                        **image_args(model, batch.input_ids, batch.vision), **_last_logits(model, T + 1))
+                        **image_args(model, batch.input_ids, batch.vision), **last_logits(model, T + 1))
             logits = out.logits[:, -(T + 1) : -1]  # position t predicts token t+1
         logp_all = F.log_softmax(self.ban(logits.float()) / temperature, -1)
         logp = logp_all.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)
@@ -309,7 +315,7 @@ def _shared_prefix_logits(model, batch: LMRollout, n: int) -> torch.Tensor:
         # the prompt, and its image through the vision tower, once per group
         out = model(input_ids=batch.input_ids[rep, :P], attention_mask=batch.attention_mask[rep, :P],
                     position_ids=model_positions(pos[rep][..., :P]), use_cache=L > 1,
-                    **image_args(model, batch.input_ids[rep, :P], batch.vision, rep), **_last_logits(model, 1))
+                    **image_args(model, batch.input_ids[rep, :P], batch.vision, rep), **last_logits(model, 1))
         # index_select, not logits[inv] / Cache.batch_select_indices: the backward of advanced indexing
         # with repeated indices (index_put_ with accumulate) adds in a thread-dependent order on CPU, so two
         # identical runs at 2 threads drifted apart in the 8th digit; index_select's backward does not
@@ -354,28 +360,7 @@ def _length_buckets(lengths: torch.Tensor) -> list[torch.Tensor]:
 
 def _cache_arg(model) -> str:
     """transformers 5.x names the KV cache argument `cache`; 4.x named it `past_key_values`."""
-    return "cache" if "cache" in _forward_params(type(base_model(model))) else "past_key_values"
-
-
-def _inference_mode(model):
-    """torch.inference_mode, except for an FSDP2-sharded model: its hooks update their own buffers
-    in place later, outside inference mode, which inference tensors do not allow."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return torch.no_grad if isinstance(model, FSDPModule) else torch.inference_mode
-
-
-def _last_logits(model, k: int) -> dict:
-    """Ask for the logits of the last k positions only, where the model takes `logits_to_keep`
-    (transformers' causal LMs): the LM head over a prompt's other positions is work thrown away,
-    and for a real vocabulary it is a large share of it (Qwen2.5-0.5B: 136M of its 494M
-    parameters are the head). The kept positions' logits are the same numbers."""
-    return {"logits_to_keep": k} if "logits_to_keep" in _forward_params(type(base_model(model))) else {}
-
-
-@functools.cache
-def _forward_params(cls) -> frozenset:
-    return frozenset(inspect.signature(cls.forward).parameters)
+    return "cache" if "cache" in forward_params(type(base_model(model))) else "past_key_values"
 
 
 def _select_cache_rows(cache, rows: torch.Tensor) -> None:
