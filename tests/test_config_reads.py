@@ -169,7 +169,7 @@ CASES = [
     ("awm", (), "flow.awm_weight=t"), ("awm", (), "algorithm.kl_coef=0.5"),
     ("awm", ("algorithm.kl_coef=0.5",), "flow.ema_rate=0.5"),
     ("awm", ("algorithm.kl_coef=0.5", "flow.ema_rate=0.5"), "flow.ema_max=0.0001"),
-    ("nft", (), "flow.solver=heun"),
+    ("nft", (), "flow.solver=heun"), ("nft", (), "flow.trust_region=0.000001"),
     ("nft", (GOOD,), "algorithm.reward_type=binary"), ("dgpo", (JUDGED,), "algorithm.reward_type=pairwise"),
     ("dgpo", (), "flow.dgpo_beta=1.0"), ("dgpo", (), "flow.dgpo_ref=base"), ("dgpo", (), "algorithm.kl_coef=0.5"),
     ("dgpo", ("train.ppo_epochs=2", "optim.lr=1e-3"), "algorithm.clip_low=0.000001"),

@@ -17,7 +17,7 @@ from regen.cli import main
 from regen.offline.rm import bradley_terry_loss
 from regen.rewards import Sample
 from regen.rewards.base import resolve
-from regen.runtime.hacking import hacking
+from regen.runtime.hacking import at_peak, held_out_fall
 from tests.conftest import export_weights, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -149,12 +149,19 @@ def test_hacking_is_a_reward_that_rises_while_the_truth_falls():
     evals = [{"step": 0, "eval/reward": 1.0, "eval/accuracy": 0.30},
              {"step": 25, "eval/reward": 2.0, "eval/accuracy": 0.44},
              {"step": 50, "eval/reward": 2.5, "eval/accuracy": 0.40}]
-    assert hacking(evals, "accuracy", 0.05) is None  # fell 0.04 <= 0.05
+    assert held_out_fall(evals, "accuracy", 0.05) is None  # fell 0.04 <= 0.05
+    assert not at_peak(evals, "accuracy") and at_peak(evals[:2], "accuracy")
     evals.append({"step": 75, "eval/reward": 2.6, "eval/accuracy": 0.30})
-    msg = hacking(evals, "accuracy", 0.05)
-    assert "since step 25" in msg and "0.44 -> 0.3" in msg
+    fall = held_out_fall(evals, "accuracy", 0.05)
+    assert fall.kind == "reward_hacking" and fall.peak == 25
+    assert "since step 25" in fall.message and "0.44 -> 0.3" in fall.message
     # the truth fell but so did the reward: the policy got worse, it is not exploiting the reward
-    assert hacking([*evals[:2], {"step": 50, "eval/reward": 1.5, "eval/accuracy": 0.2}], "accuracy", 0.05) is None
+    fall = held_out_fall([*evals[:2], {"step": 50, "eval/reward": 1.5, "eval/accuracy": 0.2}], "accuracy", 0.05)
+    assert fall.kind == "heldout_fall" and fall.peak == 25 and "0.44 -> 0.2" in fall.message
+    # equal bests: the later one, whose checkpoint retention keeps (at_peak flags every best)
+    tie = [{"step": 0, "eval/reward": 1.0, "eval/accuracy": 0.5}, {"step": 10, "eval/reward": 1.1, "eval/accuracy": 0.5}]
+    assert at_peak(tie, "accuracy") and at_peak(tie[:1], "accuracy")
+    assert held_out_fall([*tie, {"step": 20, "eval/reward": 0.9, "eval/accuracy": 0.3}], "accuracy", 0.05).peak == 10
 
 
 def test_pairs_from_samples(tmp_path):

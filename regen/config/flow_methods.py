@@ -32,7 +32,8 @@ SDE = (  # the methods trained on stochastic (SDE) sampling steps
     *when("with flow.window_policy=moving", lambda c: c.flow.sde_window is not None
           and c.flow.window_policy == "moving", "flow.window_shift_every"),
 )
-ODE = tuple(always("flow.solver"))  # the methods trained on clean ODE samples: their rollouts' solver
+ODE = tuple(always("flow.solver", "flow.trust_region"))  # the methods trained on clean ODE samples: their
+# rollouts' solver, and the bound on one update (regen/algorithms/trust_region.py)
 EMA = ("flow.ema_rate", "flow.ema_max")  # the EMA copy's schedule, read where the method keeps one
 
 

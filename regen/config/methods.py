@@ -79,6 +79,11 @@ class FlowConfig(Section):
         None, ge=0.0, lt=1.0, description="Decay of an EMA of the trained weights, updated after every step; "
         "held-out evaluation and export/ use it (Flow-GRPO keeps one for its evaluations). null = off."
     )
+    trust_region: float | None = Field(
+        None, gt=0.0, description="nft / awm / dgpo: the most one optimizer step may move the velocity, as the mean "
+        "squared change on the minibatch's own noised points; a step that moves it further is scaled back toward "
+        "the weights it started from (by sqrt(bound / change)). Logged as trust/change (before scaling), "
+        "trust/scale and trust/clipped. null = off. The shapes task: examples/shapes_nft_trust.yaml (2e-4).")
     awm_weight: Literal["uniform", "t", "t**2"] = Field("uniform", description="AWM loss weight w(t).")
     dgpo_beta: float = Field(
         2000.0, gt=0.0, description="DGPO's beta_dpo: how sharply a group's weight sigmoid(beta / G * sum A (l - l_ref)) "

@@ -44,17 +44,19 @@ class HealthConfig(Section):
     )
     kl_alert: float = Field(1.0, gt=0.0, description="Alert when the KL to the reference exceeds this.")
     rollback_on_alert: bool = Field(
-        False, description="Also roll back on a reward collapse or KL explosion, not only on non-finite values."
+        False, description="Also roll back on a reward collapse or KL explosion, not only on non-finite values; "
+        "with health.hacking_metric also on reward_hacking and heldout_fall, to the newest healthy checkpoint at or "
+        "before the evaluation where the metric peaked (kept for this)."
     )
     stall_alert_s: float = Field(
         3600.0, gt=0.0, description="Alert when no checkpoint has been written for this many seconds."
     )
     hacking_metric: str | None = Field(
         None, description="A held-out metric that measures what the reward stands for (e.g. accuracy with a learned "
-        "reward model, adherence_accuracy for images): at each evaluation, a reward_hacking alert when eval/reward is "
-        "above its value at the evaluation where this metric peaked while the metric fell by more than hacking_drop.")
+        "reward model, adherence_accuracy for images): at each evaluation where it fell by more than hacking_drop "
+        "below its peak, a reward_hacking alert when eval/reward is above its value at the peak, else heldout_fall.")
     hacking_drop: float = Field(0.05, gt=0.0, description="Fall of health.hacking_metric from its peak (absolute) "
-                                "that, with a higher eval/reward, raises reward_hacking.")
+                                "that raises reward_hacking (eval/reward higher) or heldout_fall (lower).")
     webhook_url: str | None = Field(None, description="POST every alert as JSON to this URL (in the background).")
     reward_patience_s: float = Field(
         600.0, gt=0.0, description="While a reward service is down (its client's circuit breaker open), the loop "

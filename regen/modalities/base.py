@@ -141,6 +141,15 @@ class Modality:
     def micro_loss(self, mini, pos: torch.Tensor) -> tuple[torch.Tensor, dict]:
         raise NotImplementedError
 
+    def before_step(self, mini, params: list[torch.Tensor]):
+        """Before a minibatch's optimizer step: what after_step needs to bound it, or None (no bound)."""
+        return None
+
+    def after_step(self, mini, params: list[torch.Tensor], before) -> dict[str, float]:
+        """After the step (when before_step gave something): bound it in place; its metrics, the
+        same on every rank."""
+        return {}
+
     def aux_step(self, batch, idx: torch.Tensor, adv: Advantages) -> dict[str, float]:
         """A second model stepped on the same minibatch (PPO's critic); {} when there is none."""
         return {}

@@ -56,6 +56,7 @@ class FlowMinibatch:
     denoms: dict
     noise: tuple | None  # the ODE methods' (t (M,), eps (M, *x)), drawn for the whole minibatch
     weights: torch.Tensor | None = None  # dgpo: each row's group weight, when micro-batches split groups
+    seen: list | None = None  # flow.trust_region: (positions, velocities before the step) of each micro-batch
 
 
 class FlowModality(Modality):
@@ -199,9 +200,20 @@ class FlowModality(Modality):
 
     def minibatch(self, batch: FlowSample, idx, adv: Advantages, fixed: dict, gen) -> FlowMinibatch:
         mini = FlowMinibatch(batch, idx, adv, fixed, batch_denominators(adv.mask[idx]),
-                             self.method.noise(len(idx), batch, gen))
+                             self.method.noise(len(idx), batch, gen), seen=[] if self.bounded else None)
         self.method.prepare(mini)
         return mini
+
+    @property
+    def bounded(self) -> bool:
+        """flow.trust_region on an ODE method (nft, awm, dgpo): each optimizer step is bounded."""
+        return self.cfg.flow.trust_region is not None and not self.per_step
+
+    def before_step(self, mini: FlowMinibatch, params):
+        return [p.detach().clone() for p in params] if self.bounded else None
+
+    def after_step(self, mini: FlowMinibatch, params, before) -> dict[str, float]:
+        return self.method.bound_step(mini, params, before)
 
     def micro_loss(self, mini: FlowMinibatch, pos: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """(loss, metrics) of the minibatch rows at positions `pos`: the method's loss."""

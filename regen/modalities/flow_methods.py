@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from regen.algorithms.flow import awm_loss, flow_dppo_loss, flow_grpo_loss, gaussian_mean_kl, nft_loss, nft_optimality
+from regen.algorithms.trust_region import scale_step_, trust_region_scale, velocity_change
 
 
 class FlowMethod:
@@ -84,16 +85,39 @@ class ODEMethod(FlowMethod):
     def noise(self, n, batch, gen):
         return torch.rand(n, generator=gen), torch.randn((n, *batch.x0.shape[1:]), generator=gen)
 
-    def loss(self, mini, pos):
+    def points(self, mini, pos) -> tuple:
+        """(rows, x0, x_t, eps, t, cond) of the minibatch rows at `pos`: their forward-process points."""
         m = self.m
         rows = mini.idx[pos]
         sub = mini.batch.select(rows)
         x0 = sub.x0
         t, eps = (z[pos].to(m.device) for z in mini.noise)
         tt = t.view(len(rows), *[1] * (x0.dim() - 1))
-        xt = (1 - tt) * x0 + tt * eps
-        cond = m.policy.encoder(sub.prompts)
-        return self.point_loss(mini, pos, rows, x0, xt, eps, t, cond, m.policy.velocity(xt, t, cond))
+        return rows, x0, (1 - tt) * x0 + tt * eps, eps, t, m.policy.encoder(sub.prompts)
+
+    def loss(self, mini, pos):
+        rows, x0, xt, eps, t, cond = self.points(mini, pos)
+        v = self.m.policy.velocity(xt, t, cond)
+        if mini.seen is not None:  # flow.trust_region: the velocities this step starts from
+            mini.seen.append((pos, v.detach()))
+        return self.point_loss(mini, pos, rows, x0, xt, eps, t, cond, v)
+
+    @torch.no_grad()
+    def bound_step(self, mini, params, before) -> dict[str, float]:
+        """flow.trust_region: the velocity change this step made on its own points (regen/algorithms/
+        trust_region.py), and the step scaled back toward `before` where it is over the bound."""
+        m = self.m
+        total = count = 0.0
+        for pos, v_before in mini.seen:
+            rows, _, xt, _, t, cond = self.points(mini, pos)
+            s, n = velocity_change(m.policy.velocity(xt, t, cond), v_before, mini.adv.valid[rows])
+            total, count = total + s, count + n
+        sums = m.dist.sum_floats({"change": total, "rows": count})  # every rank's rows: one D, one alpha
+        drift = sums["change"] / max(sums["rows"], 1.0)
+        alpha = trust_region_scale(drift, m.cfg.flow.trust_region)
+        if alpha < 1.0:
+            scale_step_(params, before, alpha)
+        return {"trust/change": drift, "trust/scale": alpha, "trust/clipped": float(alpha < 1.0)}
 
     def point_loss(self, mini, pos, rows, x0, xt, eps, t, cond, v) -> tuple[torch.Tensor, dict]:
         """The loss at the rows' forward-process points; v = the policy's velocity there (with gradient)."""

@@ -69,12 +69,16 @@ def update(m: Modality, opt, batch, adv: Advantages, fixed: dict, cfg, gen: torc
                 opt.zero_grad(set_to_none=True)
                 continue
             step_m = d.sum_floats(step_m)  # each rank's share of the minibatch's metrics
+            before = m.before_step(mini, params)  # what bounding the step needs (a trust region: the weights)
             grad_norm, stepped = prec.step(opt, params, t.grad_clip)
             if not stepped:
                 skipped += 1
                 opt.zero_grad(set_to_none=True)
                 continue
             step_m["grad_norm"] = float(grad_norm)
+            if before is not None:
+                with prec.autocast():  # the velocities compared were computed under it
+                    step_m.update(m.after_step(mini, params, before))  # the same on every rank
             for k, v in step_m.items():
                 sums[k] = sums.get(k, 0.0) + v
             n_steps += 1

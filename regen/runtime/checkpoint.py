@@ -198,20 +198,30 @@ def save_checkpoint(
     return final
 
 
-def _is_healthy(folder: Path) -> bool:
+def _flag(folder: Path, name: str, default: bool) -> bool:
     try:
-        return bool(json.loads((folder / "state.json").read_text()).get("healthy", True))
+        return bool(json.loads((folder / "state.json").read_text()).get(name, default))
     except (OSError, ValueError):
         return False
 
 
+def _is_healthy(folder: Path) -> bool:
+    return _flag(folder, "healthy", True)
+
+
+def step_of(folder: Path) -> int:
+    return int(folder.name.removeprefix(PREFIX))
+
+
 def _retain(root: Path, keep_last: int) -> None:
-    """Keep the newest `keep_last` checkpoints and the newest healthy one (rollback target)."""
+    """Keep the newest `keep_last` checkpoints, the newest healthy one (rollback target) and the
+    newest healthy one written at the best evaluation of health.hacking_metric (a held-out fall's
+    rollback target)."""
     done = list_checkpoints(root.parent)
     keep = set(done[-keep_last:])
-    healthy = [p for p in done if _is_healthy(p)]
-    if healthy:
-        keep.add(healthy[-1])
+    for good in ([p for p in done if _is_healthy(p)], [p for p in done if _is_healthy(p) and _flag(p, "peak", False)]):
+        if good:
+            keep.add(good[-1])
     for folder in done:
         if folder not in keep:
             # renamed first: a kill during the deletion leaves a `.del-` folder, removed at the next
@@ -221,10 +231,10 @@ def _retain(root: Path, keep_last: int) -> None:
             shutil.rmtree(gone, ignore_errors=True)
 
 
-def latest_healthy(run_dir: Path) -> Path | None:
-    """Newest checkpoint marked healthy that passes verification."""
+def latest_healthy(run_dir: Path, at_most: int | None = None) -> Path | None:
+    """Newest checkpoint marked healthy that passes verification (at step at_most or before, if given)."""
     for folder in reversed(list_checkpoints(run_dir)):
-        if _is_healthy(folder):
+        if _is_healthy(folder) and (at_most is None or step_of(folder) <= at_most):
             try:
                 verify(folder)
                 return folder

@@ -31,7 +31,7 @@ from regen.quality import Quality, gates
 from regen.runtime import checkpoint as ckpt
 from regen.runtime import dist as rdist
 from regen.runtime.alerts import Alerts
-from regen.runtime.hacking import earlier_evals, hacking
+from regen.runtime.hacking import HeldOutWatch, earlier_evals
 from regen.runtime.health import HealthMonitor
 from regen.runtime.metrics import MetricsLogger
 from regen.runtime.offload import PhaseHooks, PhaseMemory, loop_hooks
@@ -81,7 +81,7 @@ class Run:
     expected_versions: dict | None = None  # reward versions of the checkpoint resumed (alert when they change)
     unscored: int = 0  # consecutive steps in which no sample got a score
     quality: Quality | None = None  # eval.metrics: feature extractor and references, loaded once
-    evals: list[dict] | None = None  # the evaluations so far (health.hacking_metric), rebuilt from metrics.jsonl
+    watch: HeldOutWatch | None = None  # health.hacking_metric: the evaluations so far, their best, a fall from it
     tasks: list[Task] | None = None  # a multi-task run's streams (regen/data/tasks.py); `data` is then a TaskMix
     memory: PhaseMemory | None = None  # distributed.colocate: each phase's peak memory
     # for the next metrics row: the last checkpoint's write time (time/checkpoint_s), the resume's (time/resume_s)
@@ -155,8 +155,9 @@ class Run:
         return cls(cfg, run_dir, m, opt, data, gen, reward, prompts, eval_items, log, alerts, health, start_step,
                    rollout, d, Precision(cfg.train.precision, device), hooks, mirror,
                    state["state"].get("reward_versions") if state else None, quality=quality,
-                   evals=earlier_evals(run_dir) if state is not None and d.main else [], tasks=tasks, memory=memory,
-                   books=books)
+                   watch=HeldOutWatch(cfg.health.hacking_metric, cfg.health.hacking_drop,
+                                      earlier_evals(run_dir) if state is not None and d.main else []),
+                   tasks=tasks, memory=memory, books=books)
 
     # ------------------------------------------------------------------ each step
 
@@ -226,14 +227,21 @@ class Run:
         """Evaluation when due, the metrics row, health (skip / roll back / alert), the periodic
         checkpoint, and the stop after too many steps without a single score."""
         cfg = self.cfg
-        if self.eval_items and cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
+        evaluated = bool(self.eval_items and cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps)
+        if evaluated:
             metrics.update(self.evaluate(step))
         metrics |= self.books  # the checkpoint written after the previous row (or read at the resume)
         self.books = {}
         self.log.log(step, metrics)
         bar.update(step, f"reward {metrics['reward/mean']:.3f}  {metrics['throughput/samples_per_s']:.1f} samples/s")
-        if self.health.observe(step, metrics):  # a non-finite streak (or, if asked, a collapse): roll back
-            self.rollback(step)
+        fall = self.watch.taken()  # a held-out fall rank 0 saw at this evaluation
+        back = None  # health.rollback_on_alert after a held-out fall: to its peak evaluation or before
+        if evaluated and cfg.health.hacking_metric and cfg.health.rollback_on_alert:
+            back = self.dist.broadcast_object(fall.peak if fall else None)
+        rollback = self.health.observe(step, metrics)  # a non-finite streak (or, if asked, an alert)
+        self.health.problem |= fall is not None  # not a state to return to
+        if rollback or back is not None:
+            self.rollback(step, back)
         if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != cfg.train.steps:
             self.save(step)
         self.unscored = 0 if scored else self.unscored + 1
@@ -257,16 +265,8 @@ class Run:
         failed = gates.failed(e.gates, metrics)
         if failed:
             self.alerts.fire(step, "eval_gate_failed", "evaluation failed its gates: " + "; ".join(failed))
-        h = self.cfg.health
-        if h.hacking_metric and self.dist.main:
-            if f"eval/{h.hacking_metric}" not in metrics:  # a misspelt name would otherwise watch nothing
-                have = ", ".join(sorted(k.removeprefix("eval/") for k in metrics if not k.startswith("eval/gate")))
-                self.alerts.fire(step, "hacking_metric_missing", f"health.hacking_metric '{h.hacking_metric}' is not "
-                                 f"an eval metric of this run (it has: {have}): nothing is watched")
-            self.evals = [r for r in (self.evals or []) if r["step"] < step] + [{"step": step, **metrics}]
-            message = hacking(self.evals, h.hacking_metric, h.hacking_drop)
-            if message:
-                self.alerts.fire(step, "reward_hacking", message)
+        if self.cfg.health.hacking_metric and self.dist.main:
+            self.watch.see(step, metrics, self.alerts)
         return metrics
 
     # ------------------------------------------------------------------ books
@@ -294,16 +294,20 @@ class Run:
             self.books = {"time/checkpoint_s": time.perf_counter() - t0}
         return folder
 
-    def rollback(self, step: int) -> None:
+    def rollback(self, step: int, at_most: int | None = None) -> None:
         """Weights, optimizer and the modality's extra state (critic, EMA copies) back to the
         last healthy checkpoint (or the starting model), the learning rate scaled down; past
         health.max_rollbacks a last checkpoint and the run stops instead. Data and RNG streams
-        keep moving forward, so the batches that went wrong are not replayed."""
+        keep moving forward, so the batches that went wrong are not replayed. at_most: the newest
+        healthy checkpoint at or before that step (a held-out fall: its peak evaluation's), when one is kept."""
         if self.health.rollbacks >= self.cfg.health.max_rollbacks:
             self.save(step)
             raise RunStopped(f"stopped at step {step}: still unhealthy after {self.health.rollbacks} rollbacks "
                              f"(see {self.run_dir / 'alerts.jsonl'})")
-        folder = ckpt.latest_healthy(self.run_dir)
+        folder = ckpt.latest_healthy(self.run_dir, at_most)
+        if folder is None and at_most:  # a peak after the start whose checkpoint is not kept: the newest healthy one
+            folder = ckpt.latest_healthy(self.run_dir)
+        self.watch.rolled_back(ckpt.step_of(folder) if folder is not None else 0)
         self.m.restore(folder)
         if folder is None:
             self.opt.state.clear()  # back to the start: a fresh optimizer
@@ -376,6 +380,7 @@ def save_run_checkpoint(run: Run, step: int, gathered, opt_state: dict | None) -
             run.run_dir, step, None, opt,
             rng={"sampler": run.gen.get_state(), "torch_cpu": torch.get_rng_state()},
             state={"data": run.data.state(), "trainer": "rl", "healthy": not run.health.problem,
+                   "peak": run.watch.peak == step,
                    **({"task_weights": run.data.weights.state()} if run.tasks else {}),
                    "health": run.health.state(), "reward_versions": run.reward.versions(), "config": tree,
                    "versions": versions(model_source(run.cfg), run.reward.versions(), tree)},
