@@ -15,11 +15,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def regen(*args: str) -> float:
-    """Run `python -m regen ARGS` from the repository root; exit with its stderr when it fails."""
+def regen(*args: str, stopped_ok: bool = False) -> float:
+    """Run `python -m regen ARGS` from the repository root; exit with its stderr when it fails
+    (stopped_ok: not when the run stopped itself, e.g. still unhealthy after health.max_rollbacks;
+    its last stderr line is then printed)."""
     t0 = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "regen", *args], check=False, cwd=ROOT, capture_output=True, text=True)
-    if done.returncode:
+    if done.returncode and stopped_ok and "stopped at step" in done.stderr:
+        print("  the run stopped itself: " + done.stderr.strip().splitlines()[-1], flush=True)
+    elif done.returncode:
         sys.exit(f"regen {' '.join(args)} failed:\n{done.stderr[-3000:]}")
     return time.perf_counter() - t0
 
