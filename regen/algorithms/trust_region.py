@@ -30,13 +30,15 @@ import math
 
 import torch
 
+from regen.algorithms.flow import velocity_drift
+
 
 def velocity_change(v_new: torch.Tensor, v_before: torch.Tensor, valid: torch.Tensor) -> tuple[float, float]:
     """(sum over valid rows of each row's mean squared velocity change, number of valid rows):
     summed over micro-batches and ranks before the division, so the split never changes D."""
     if v_new.shape != v_before.shape:
         raise ValueError(f"velocity_change: shapes {tuple(v_new.shape)} and {tuple(v_before.shape)} differ")
-    per_row = (v_new.float() - v_before.float()).pow(2).flatten(1).mean(1)
+    per_row = velocity_drift(v_new, v_before)
     valid = valid.to(per_row.device)
     # torch.where, not a product: a non-finite velocity of an excluded row must not leak into D
     return float(torch.where(valid, per_row, torch.zeros_like(per_row)).sum()), float(valid.sum())

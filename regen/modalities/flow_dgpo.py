@@ -78,13 +78,9 @@ def dgpo_weights(m, mini) -> torch.Tensor:
     mine = d.my_rows(torch.arange(len(mini.idx)), m.unit)
     fms, refs = [], []
     for pos in mine.split(c.train.micro_batch_size or len(mine)):
-        sub = mini.batch.select(mini.idx[pos])
-        t, eps = (z[pos].to(m.device) for z in mini.noise)
-        tt = t.view(len(pos), *[1] * (sub.x0.dim() - 1))
-        xt = (1 - tt) * sub.x0 + tt * eps
-        cond = m.policy.encoder(sub.prompts)
-        fms.append(flow_matching_loss(m, sub.x0, xt, eps, t, cond, None)[0])
-        refs.append(flow_matching_loss(m, sub.x0, xt, eps, t, cond, ref)[0])
+        _, x0, xt, eps, t, cond = m.method.points(mini, pos)
+        fms.append(flow_matching_loss(m, x0, xt, eps, t, cond, None)[0])
+        refs.append(flow_matching_loss(m, x0, xt, eps, t, cond, ref)[0])
     fm, ref_fm = d.gather_rows(torch.cat(fms)), d.gather_rows(torch.cat(refs))
     adv, valid = mini.adv.adv[mini.idx], mini.adv.valid[mini.idx]
     return dgpo_group_weights(fm, ref_fm, adv, m.unit, c.flow.dgpo_beta, valid)
