@@ -42,7 +42,10 @@ before every run (a WARNING above the runs' thread count + 0.5: something else i
 the end.
 --png (default docs/flow_methods.png; needs matplotlib): reward and adherence against training
 wall-clock, per method the mean over seeds at each eval point with the min..max shaded.
---out FILE: settings, every run's curves and the summary as JSON.
+--out FILE: settings, every run's curves and the summary as JSON. --reuse METHOD=PATH takes METHOD's
+runs from such a file instead of running them again (matched by base folder and seed; a run of a
+base or seed the file lacks still runs), so that one more base or the reference can be added later
+and the whole table summarised in one place.
 
 Run from the repository root with the project's virtualenv:
 
@@ -50,7 +53,7 @@ Run from the repository root with the project's virtualenv:
     python bench/flow_methods.py      # builds the base first (examples/shapes_sft.yaml, ~6 min on 2 cores)
     python bench/flow_methods.py --task video --base runs/demo-moving-shapes-sft/export
     python bench/flow_methods.py --bases 2 --only flow_grpo,nft --config nft=examples/shapes_nft_trust.yaml \\
-        --eval-every 10 --set flow_grpo:eval.every=50      # two bases x 3 seeds, ~1 h 15 min
+        --eval-every 10 --set flow_grpo:eval.every=50      # two bases x 3 seeds, ~1 h 35 min
     python bench/flow_methods.py --base runs/demo-shapes-sft/export --steps 2 --eval-every 1 --seeds 2 \\
         --eval-prompts 4 --eval-samples 2 --only flow_grpo,nft --png /tmp/fm.png --out /tmp/fm.json  # smoke
 """
@@ -189,6 +192,10 @@ def main() -> None:
                    "examples/<task prefix>_<method>.yaml)")
     p.add_argument("--set", action="append", default=[], metavar="METHOD:KEY=VALUE",
                    help="an extra override for one method's runs, e.g. nft:train.ppo_epochs=2 (repeatable)")
+    p.add_argument("--reuse", action="append", default=[], metavar="METHOD=PATH",
+                   help="take METHOD's runs from an earlier --out JSON instead of running them again: a run of the "
+                   "same base folder and seed counts as if run here (its config and settings are the earlier "
+                   "invocation's, listed there); e.g. flow_grpo=bench/results/x.json (repeatable)")
     p.add_argument("--target", help="eval/reward to reach, one value or one per base comma-separated (default: "
                    "Flow-GRPO's mean final eval/reward on each base)")
     p.add_argument("--png", default=str(ROOT / "docs" / "flow_methods.png"), help="figure (default docs/flow_methods.png)")
@@ -216,6 +223,19 @@ def main() -> None:
         if not sep or name not in METHODS or not Path(path).is_file():
             p.error(f"--config {kv}: write METHOD=PATH with METHOD one of {list(METHODS)} and PATH an existing file")
         chosen[name] = Path(path).resolve()
+    reuse = {}  # (method, base folder, seed) -> an earlier run's record
+    for kv in a.reuse:
+        name, sep, path = kv.partition("=")
+        if not sep or name not in METHODS or not Path(path).is_file():
+            p.error(f"--reuse {kv}: write METHOD=PATH with METHOD one of {list(METHODS)} and PATH an --out JSON")
+        try:
+            earlier = json.loads(Path(path).read_text())
+            folders = [str(Path(b).resolve()) for b in earlier["settings"]["bases"]]
+            for r in earlier["runs"]:
+                if r["name"] == name:
+                    reuse[name, folders[r["base"]], r["seed"]] = {**r, "reused_from": path}
+        except (ValueError, KeyError, IndexError, TypeError) as e:
+            p.error(f"--reuse {kv}: not a flow_methods.py --out JSON ({type(e).__name__}: {e})")
     configs = {}
     for name in wanted:
         path = chosen.get(name, ROOT / "examples" / f"{PREFIX[a.task]}_{name}.yaml")
@@ -270,6 +290,12 @@ def main() -> None:
         for k, base in enumerate(bases):
             turn = (seed + k) % len(names)
             for name in names[turn:] + names[:turn]:  # rotated each round
+                if (earlier := reuse.get((name, str(base), seed))) is not None:
+                    runs.append({**earlier, "base": k})
+                    print(f"[{len(runs)}/{total}] {METHODS[name]} base {k} seed {seed}: reused from "
+                          f"{earlier['reused_from']} ({earlier['config']}, {earlier['run_dir']}): eval/reward "
+                          f"{earlier['reward_at_0']:.4f} -> {earlier['final_reward']:.4f}", flush=True)
+                    continue
                 run_dir, run_load = work / f"{name}-base{k}-seed{seed}", load_avg()
                 # no checkpoints unless the config rolls back to them (health.rollback_on_alert)
                 every = "checkpoint.every=0" if not (yamls[name].get("health") or {}).get("rollback_on_alert") \
@@ -348,6 +374,7 @@ def main() -> None:
                     "first_seed": a.first_seed,
                     "methods": names, "steps": a.steps, "eval_every": a.eval_every, "eval_prompts": n_prompts,
                     "eval_samples_per_prompt": a.eval_samples, "eval_count": n_eval, "lr_overrides": lrs,
+                    "sets": a.set, "reused": a.reuse,
                     "targets": targets, "target_source": source, "base_adherence": base_adh,
                     "warnings": warnings, "load_avg_1min": loads, "threads": threads_used, "cpu_count": cpus, "git": rev}
         Path(a.out).write_text(json.dumps({"settings": settings, "runs": runs, "summary": summary}, indent=1))
