@@ -246,6 +246,8 @@ def main() -> None:
     names = list(configs)
     if not names:
         p.error(f"no method has a {a.task} config")
+    if unused := sorted({n for n, _, _ in reuse} - set(names)):
+        p.error(f"--reuse {', '.join(unused)}: not among the methods run here ({', '.join(names)}); add it to --only")
     if REF not in names and fixed is None:
         p.error(f"without {REF} (examples/{PREFIX[a.task]}_{REF}.yaml) there is no target: give --target")
     yamls = {n: yaml.safe_load(c.read_text()) for n, c in configs.items()}

@@ -95,3 +95,11 @@ def test_reuse_of_a_file_that_is_not_an_out_json_is_refused(tmp_path, monkeypatc
     with pytest.raises(SystemExit):
         main(["--base", str(b0), "--only", "flow_grpo", "--reuse", f"flow_grpo={bad}"], monkeypatch)
     assert f"--reuse flow_grpo={bad}: not a flow_methods.py --out JSON (KeyError: 'settings')" in capsys.readouterr().err
+
+
+def test_reuse_of_a_method_that_is_not_run_is_refused(tmp_path, monkeypatch, capsys):
+    b0 = base_folder(tmp_path / "b0")
+    grpo = out_json(tmp_path / "grpo.json", [b0], [run("flow_grpo", 0, 0, [0.1, 0.2], [0.9, 0.9], [0, 1])])
+    with pytest.raises(SystemExit):
+        main(["--base", str(b0), "--only", "nft", "--target", "0.2", "--reuse", f"flow_grpo={grpo}"], monkeypatch)
+    assert "--reuse flow_grpo: not among the methods run here (nft); add it to --only" in capsys.readouterr().err
